@@ -1,0 +1,238 @@
+//! Codec names and parameters: what a run's config says about how tensors are compressed.
+//!
+//! Owns the `CodecSpec` value, its textual form (`int8`, `int8:128+zstd2`, `bf16+zstd`, ...)
+//! and the sizes each codec's payload takes. It does not touch tensor data.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The element type a frame carries before any compression.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    /// 32-bit float: activations, gradients, parameters.
+    F32 = 0,
+    /// 32-bit unsigned integer: token ids.
+    U32 = 1,
+}
+
+impl DType {
+    /// The header byte for this dtype.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The dtype for a header byte, if it names one.
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::F32),
+            1 => Some(Self::U32),
+            _ => None,
+        }
+    }
+}
+
+/// How the elements are stored in the payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Quant {
+    /// The dtype's own 4 little-endian bytes; exact.
+    Raw = 0,
+    /// IEEE half precision, round to nearest even.
+    F16 = 1,
+    /// bfloat16, round to nearest even.
+    Bf16 = 2,
+    /// Blockwise absmax 8-bit: one bf16 scale per block, one signed byte per value.
+    Int8 = 3,
+}
+
+impl Quant {
+    /// The header byte for this codec.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The codec for a header byte, if it names one.
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::Raw),
+            1 => Some(Self::F16),
+            2 => Some(Self::Bf16),
+            3 => Some(Self::Int8),
+            _ => None,
+        }
+    }
+}
+
+/// Default int8 block size: 64 values share one scale (measured in BENCHMARKS.md).
+pub const DEFAULT_BLOCK: u32 = 64;
+/// Largest accepted int8 block size.
+pub const MAX_BLOCK: u32 = 1 << 20;
+/// zstd levels a config may ask for; higher levels cost 10–100× the time for ~nothing.
+pub const ZSTD_LEVELS: std::ops::RangeInclusive<u8> = 1..=3;
+
+/// A codec and its parameters, as named in a run config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CodecSpec {
+    /// The element encoding.
+    pub quant: Quant,
+    /// Values per scale for `Int8`; 0 for the other codecs.
+    pub block_size: u32,
+    /// zstd level applied after the element encoding; 0 means no zstd.
+    pub zstd_level: u8,
+}
+
+impl CodecSpec {
+    /// Exact f32, no compression.
+    pub const F32: Self = Self {
+        quant: Quant::Raw,
+        block_size: 0,
+        zstd_level: 0,
+    };
+
+    /// Blockwise int8 with the default block size, no zstd.
+    pub const INT8: Self = Self {
+        quant: Quant::Int8,
+        block_size: DEFAULT_BLOCK,
+        zstd_level: 0,
+    };
+
+    /// The same codec followed by zstd at `level`.
+    pub fn with_zstd(self, level: u8) -> Self {
+        Self {
+            zstd_level: level,
+            ..self
+        }
+    }
+
+    /// Bytes of the payload before zstd for `n` values of `dtype`.
+    pub fn raw_payload_len(&self, n: usize) -> Option<usize> {
+        match self.quant {
+            Quant::Raw => n.checked_mul(4),
+            Quant::F16 | Quant::Bf16 => n.checked_mul(2),
+            Quant::Int8 => {
+                let blocks = n.div_ceil(self.block_size.max(1) as usize);
+                blocks.checked_mul(2)?.checked_add(n)
+            }
+        }
+    }
+}
+
+/// Why a codec name did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown codec '{0}': expected f32, f16, bf16 or int8[:BLOCK], optionally +zstd[1-3] (e.g. int8+zstd)")]
+pub struct BadCodecName(pub String);
+
+impl FromStr for CodecSpec {
+    type Err = BadCodecName;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || BadCodecName(s.to_string());
+        let lower = s.trim().to_ascii_lowercase();
+        let (base, zstd) = match lower.split_once('+') {
+            Some((b, z)) => (b, Some(z)),
+            None => (lower.as_str(), None),
+        };
+        let zstd_level = match zstd {
+            None => 0,
+            Some("zstd") => 1,
+            Some(z) => {
+                let level: u8 = z
+                    .strip_prefix("zstd")
+                    .ok_or_else(bad)?
+                    .parse()
+                    .map_err(|_| bad())?;
+                if !ZSTD_LEVELS.contains(&level) {
+                    return Err(bad());
+                }
+                level
+            }
+        };
+        let (name, block) = match base.split_once(':') {
+            Some((n, b)) => (n, Some(b.parse::<u32>().map_err(|_| bad())?)),
+            None => (base, None),
+        };
+        let (quant, block_size) = match (name, block) {
+            ("f32", None) => (Quant::Raw, 0),
+            ("f16", None) => (Quant::F16, 0),
+            ("bf16", None) => (Quant::Bf16, 0),
+            ("int8", None) => (Quant::Int8, DEFAULT_BLOCK),
+            ("int8", Some(b)) if (1..=MAX_BLOCK).contains(&b) => (Quant::Int8, b),
+            _ => return Err(bad()),
+        };
+        Ok(Self {
+            quant,
+            block_size,
+            zstd_level,
+        })
+    }
+}
+
+impl fmt::Display for CodecSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.quant {
+            Quant::Raw => write!(f, "f32")?,
+            Quant::F16 => write!(f, "f16")?,
+            Quant::Bf16 => write!(f, "bf16")?,
+            Quant::Int8 if self.block_size == DEFAULT_BLOCK => write!(f, "int8")?,
+            Quant::Int8 => write!(f, "int8:{}", self.block_size)?,
+        }
+        if self.zstd_level > 0 {
+            write!(f, "+zstd{}", self.zstd_level)?;
+        }
+        Ok(())
+    }
+}
+
+impl serde::Serialize for CodecSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for CodecSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for name in [
+            "f32",
+            "f16",
+            "bf16",
+            "int8",
+            "int8:128",
+            "int8+zstd1",
+            "bf16+zstd3",
+        ] {
+            let spec: CodecSpec = name.parse().expect(name);
+            assert_eq!(spec.to_string(), name);
+        }
+        assert_eq!(
+            "int8+zstd".parse::<CodecSpec>(),
+            Ok(CodecSpec::INT8.with_zstd(1))
+        );
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        for name in [
+            "",
+            "int4",
+            "f32:64",
+            "int8:0",
+            "int8+zstd9",
+            "int8+gzip",
+            "int8:x",
+        ] {
+            assert!(name.parse::<CodecSpec>().is_err(), "{name} parsed");
+        }
+    }
+}
