@@ -1,8 +1,18 @@
 //! shoal trains one neural network on a swarm of volunteer machines.
 //!
+//! The model is cut into pipeline stages; each peer serves one stage; activations and
+//! gradients travel compressed. This crate is the library behind the `shoal` binary.
+//!
 //! # Layout
 //! - [`wire`]: tensor frames and codecs as bytes (pure, bounded, fuzzed).
+//! - [`config`]: the TOML run config and its validation.
+//! - [`model`]: the decoder cut into stages; AdamW; safetensors checkpoints.
+//! - [`data`]: token sources (built-in Markov corpus, text, token shards) and sampling.
+//! - [`train`]: local training of all stages in one process, through the wire codec.
+//! - [`bench`]: benchmarks that print tables (`shoal bench ...`).
 //! - [`rng`]: the seeded generator every peer computes identically.
 pub mod bench;
+pub mod config;
+pub mod model;
 pub mod rng;
 pub mod wire;

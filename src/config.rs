@@ -1,0 +1,430 @@
+//! The run config: model shape, stage cuts, optimizer, training, data and codecs, as TOML.
+//!
+//! Owns parsing and validation only: a [`RunConfig`] that comes out of [`RunConfig::from_toml`]
+//! or [`RunConfig::load`] is internally consistent (heads divide the width, stage cuts are
+//! in range, codecs parse). Every field has a documented default so configs stay short.
+
+use crate::wire::CodecSpec;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Why a config was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The path given.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or has unknown or ill-typed fields.
+    #[error("bad config {path}: {message}")]
+    Parse {
+        /// Where it came from.
+        path: String,
+        /// What the parser said, on one line.
+        message: String,
+    },
+    /// The values are inconsistent.
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// The decoder's shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Vocabulary size (token ids are below it).
+    pub vocab: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads per block (must divide `d_model`).
+    pub n_heads: usize,
+    /// Sequence length the model is trained on.
+    pub seq_len: usize,
+    /// Seed of the deterministic parameter initialisation.
+    #[serde(default = "d_seed")]
+    pub seed: u64,
+    /// MLP hidden width over `d_model` (default 4).
+    #[serde(default = "d_mlp_ratio")]
+    pub mlp_ratio: usize,
+}
+
+/// How the blocks are cut into pipeline stages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StagesConfig {
+    /// Number of stages (default 1). Stage 0 also holds the embeddings, the last the head.
+    #[serde(default = "d_one")]
+    pub count: usize,
+    /// Explicit cut points: stage i holds blocks `[cuts[i-1], cuts[i])`. Empty (the default)
+    /// cuts the blocks as evenly as possible, earlier stages taking the remainder.
+    #[serde(default)]
+    pub cuts: Vec<usize>,
+}
+
+/// AdamW with linear warmup and cosine decay.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// Peak learning rate (default 1e-3).
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    /// Steps of linear warmup from 0 (default 20).
+    #[serde(default = "d_warmup")]
+    pub warmup_steps: u64,
+    /// Learning rate at the end of the cosine, as a fraction of `lr` (default 0.1).
+    #[serde(default = "d_min_lr")]
+    pub min_lr_ratio: f64,
+    /// Decoupled weight decay on matrices (default 0.1; biases, norms and embeddings none).
+    #[serde(default = "d_wd")]
+    pub weight_decay: f64,
+    /// Adam β₁ (default 0.9).
+    #[serde(default = "d_b1")]
+    pub beta1: f64,
+    /// Adam β₂ (default 0.95).
+    #[serde(default = "d_b2")]
+    pub beta2: f64,
+    /// Adam ε (default 1e-8).
+    #[serde(default = "d_eps")]
+    pub eps: f64,
+    /// Clip each stage's gradient to this global L2 norm; 0 disables (default 1.0).
+    #[serde(default = "d_clip")]
+    pub grad_clip: f64,
+}
+
+/// The training schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingConfig {
+    /// Sequences per microbatch (default 16).
+    #[serde(default = "d_batch")]
+    pub batch_size: usize,
+    /// Samples the swarm accumulates per optimizer step (default: `batch_size`).
+    #[serde(default)]
+    pub target_batch_size: Option<usize>,
+    /// Optimizer steps of the run; the cosine ends here (default 1000).
+    #[serde(default = "d_steps")]
+    pub steps: u64,
+    /// Loss the run counts as success (the demo's exit code); none by default.
+    #[serde(default)]
+    pub target_loss: Option<f64>,
+    /// Seed of data sampling (default 1).
+    #[serde(default = "d_seed")]
+    pub data_seed: u64,
+}
+
+/// Where tokens come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "source", rename_all = "lowercase", deny_unknown_fields)]
+pub enum DataConfig {
+    /// The built-in order-2 Markov corpus.
+    Markov {
+        /// Seed of the transition table (default 7).
+        #[serde(default = "d_markov_seed")]
+        seed: u64,
+        /// Next tokens each context can take (default 4).
+        #[serde(default = "d_branching")]
+        branching: usize,
+    },
+    /// A UTF-8 text file, one token per byte.
+    Text {
+        /// Path of the file.
+        path: PathBuf,
+    },
+    /// nanoGPT-style shards: little-endian u16 tokens in a file or a folder of `.bin` files.
+    Shards {
+        /// A `.bin` file or a folder of them.
+        path: PathBuf,
+    },
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self::Markov {
+            seed: d_markov_seed(),
+            branching: d_branching(),
+        }
+    }
+}
+
+/// How tensors travel between stages and between replicas.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodecsConfig {
+    /// Activations and their gradients between stages (default int8).
+    #[serde(default = "d_act")]
+    pub activations: CodecSpec,
+    /// Averaged parameter gradients between replicas (default int8+zstd1).
+    #[serde(default = "d_grad")]
+    pub gradients: CodecSpec,
+}
+
+impl Default for CodecsConfig {
+    fn default() -> Self {
+        Self {
+            activations: d_act(),
+            gradients: d_grad(),
+        }
+    }
+}
+
+/// A whole run config, as in `configs/*.toml`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Model shape.
+    pub model: ModelConfig,
+    /// Stage cuts.
+    #[serde(default = "d_stages")]
+    pub stages: StagesConfig,
+    /// Optimizer.
+    #[serde(default = "d_opt")]
+    pub optimizer: OptimizerConfig,
+    /// Training schedule.
+    #[serde(default = "d_training")]
+    pub training: TrainingConfig,
+    /// Data source.
+    #[serde(default)]
+    pub data: DataConfig,
+    /// Codecs.
+    #[serde(default)]
+    pub codecs: CodecsConfig,
+}
+
+fn d_seed() -> u64 {
+    1
+}
+fn d_mlp_ratio() -> usize {
+    4
+}
+fn d_one() -> usize {
+    1
+}
+fn d_lr() -> f64 {
+    1e-3
+}
+fn d_warmup() -> u64 {
+    20
+}
+fn d_min_lr() -> f64 {
+    0.1
+}
+fn d_wd() -> f64 {
+    0.1
+}
+fn d_b1() -> f64 {
+    0.9
+}
+fn d_b2() -> f64 {
+    0.95
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_clip() -> f64 {
+    1.0
+}
+fn d_batch() -> usize {
+    16
+}
+fn d_steps() -> u64 {
+    1000
+}
+fn d_markov_seed() -> u64 {
+    7
+}
+fn d_branching() -> usize {
+    4
+}
+fn d_act() -> CodecSpec {
+    CodecSpec::INT8
+}
+fn d_grad() -> CodecSpec {
+    CodecSpec::INT8.with_zstd(1)
+}
+fn d_stages() -> StagesConfig {
+    StagesConfig {
+        count: 1,
+        cuts: Vec::new(),
+    }
+}
+fn d_opt() -> OptimizerConfig {
+    toml::from_str("").unwrap_or_else(|_| unreachable!("every optimizer field has a default"))
+}
+fn d_training() -> TrainingConfig {
+    toml::from_str("").unwrap_or_else(|_| unreachable!("every training field has a default"))
+}
+
+impl RunConfig {
+    /// Parses and validates TOML text; `origin` names it in errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let cfg: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.message().replace('\n', " "),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    /// The built-in tiny config (`configs/tiny.toml`), for the demo and tests.
+    pub fn tiny() -> Self {
+        Self::from_toml(include_str!("../configs/tiny.toml"), "configs/tiny.toml")
+            .unwrap_or_else(|e| unreachable!("the bundled tiny config is valid: {e}"))
+    }
+
+    /// Samples per optimizer step.
+    pub fn target_batch_size(&self) -> usize {
+        self.training
+            .target_batch_size
+            .unwrap_or(self.training.batch_size)
+    }
+
+    /// Block ranges of each stage, `[start, end)`.
+    pub fn stage_ranges(&self) -> Vec<(usize, usize)> {
+        let n = self.model.n_layers;
+        let s = self.stages.count;
+        let cuts: Vec<usize> = if self.stages.cuts.is_empty() {
+            // Even split; the first `n % s` stages take one block more.
+            let (base, extra) = (n / s, n % s);
+            (1..s).map(|i| i * base + i.min(extra)).collect()
+        } else {
+            self.stages.cuts.clone()
+        };
+        let mut bounds = vec![0];
+        bounds.extend(cuts);
+        bounds.push(n);
+        bounds.windows(2).map(|w| (w[0], w[1])).collect()
+    }
+
+    /// Checks that the values are consistent.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let m = &self.model;
+        if m.vocab < 2 || m.d_model == 0 || m.n_layers == 0 || m.n_heads == 0 || m.seq_len == 0 {
+            return bad("model.vocab ≥ 2 and d_model, n_layers, n_heads, seq_len ≥ 1".into());
+        }
+        if m.vocab > u32::MAX as usize {
+            return bad(format!("model.vocab {} does not fit u32 token ids", m.vocab));
+        }
+        if m.d_model % m.n_heads != 0 {
+            return bad(format!(
+                "model.n_heads ({}) must divide model.d_model ({})",
+                m.n_heads, m.d_model
+            ));
+        }
+        if m.mlp_ratio == 0 {
+            return bad("model.mlp_ratio must be ≥ 1".into());
+        }
+        let s = &self.stages;
+        if s.count == 0 || s.count > m.n_layers {
+            return bad(format!(
+                "stages.count ({}) must be between 1 and model.n_layers ({})",
+                s.count, m.n_layers
+            ));
+        }
+        if !s.cuts.is_empty() {
+            let ok = s.cuts.len() + 1 == s.count
+                && s.cuts.windows(2).all(|w| w[0] < w[1])
+                && s.cuts.first().is_some_and(|&c| c > 0)
+                && s.cuts.last().is_some_and(|&c| c < m.n_layers);
+            if !ok {
+                return bad(format!(
+                    "stages.cuts {:?} must be {} increasing block indices in 1..{}",
+                    s.cuts,
+                    s.count - 1,
+                    m.n_layers
+                ));
+            }
+        }
+        let o = &self.optimizer;
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return bad(format!("optimizer.lr must be positive, got {}", o.lr));
+        }
+        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
+            return bad("optimizer.beta1 and beta2 must be in [0, 1)".into());
+        }
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) || o.weight_decay < 0.0 || o.grad_clip < 0.0 {
+            return bad("optimizer.min_lr_ratio in [0, 1], weight_decay and grad_clip ≥ 0".into());
+        }
+        if !(o.eps > 0.0) {
+            return bad("optimizer.eps must be positive".into());
+        }
+        let t = &self.training;
+        if t.batch_size == 0 || t.steps == 0 || self.target_batch_size() == 0 {
+            return bad("training.batch_size, target_batch_size and steps must be ≥ 1".into());
+        }
+        match &self.data {
+            DataConfig::Markov { branching, .. } if *branching == 0 || *branching > m.vocab => {
+                bad(format!(
+                    "data.branching must be in 1..={} (the vocab)",
+                    m.vocab
+                ))
+            }
+            DataConfig::Text { .. } if m.vocab < 256 => bad(format!(
+                "text data is tokenised as bytes and needs model.vocab ≥ 256, got {}",
+                m.vocab
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_parses_and_even_split_covers_all_layers() {
+        let mut cfg = RunConfig::tiny();
+        for s in 1..=cfg.model.n_layers {
+            cfg.stages.count = s;
+            let r = cfg.stage_ranges();
+            assert_eq!(r.len(), s);
+            assert_eq!(r[0].0, 0);
+            assert_eq!(r[s - 1].1, cfg.model.n_layers);
+            assert!(r.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
+        }
+    }
+
+    #[test]
+    fn bad_values_are_one_line_errors() {
+        let base = include_str!("../configs/tiny.toml");
+        for (find, replace) in [
+            ("n_heads = 4", "n_heads = 3"),
+            ("count = 2", "count = 9"),
+            ("activations = \"int8\"", "activations = \"int4\""),
+        ] {
+            assert!(base.contains(find), "tiny.toml lacks {find}");
+            let text = base.replace(find, replace);
+            let err = RunConfig::from_toml(&text, "x.toml").expect_err(replace);
+            assert!(!err.to_string().contains('\n'), "{err}");
+        }
+        let err = RunConfig::from_toml("[model]\nvocab = 3\nbogus = 1", "x.toml").unwrap_err();
+        assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn explicit_cuts_are_used() {
+        let mut cfg = RunConfig::tiny();
+        cfg.stages.count = 2;
+        cfg.stages.cuts = vec![1];
+        cfg.validate().unwrap();
+        assert_eq!(cfg.stage_ranges(), vec![(0, 1), (1, cfg.model.n_layers)]);
+        cfg.stages.cuts = vec![0];
+        assert!(cfg.validate().is_err());
+    }
+}

@@ -1,0 +1,142 @@
+//! The decoder's layers, written from primitive candle ops that all have a backward.
+//!
+//! candle's fused `layer_norm`, `softmax_last_dim` and `sdpa` have no gradient and would cut
+//! the graph silently (LIBRARY-NOTES.md), so the norm and the attention softmax here are
+//! spelled out; the model tests check that every parameter receives a gradient.
+
+use super::params::{Init, ParamSet};
+use crate::config::ModelConfig;
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::Linear;
+
+/// Builds parameters under a name prefix.
+pub(crate) struct Builder<'a> {
+    pub params: &'a mut ParamSet,
+    pub seed: u64,
+    pub device: &'a Device,
+    pub dtype: DType,
+}
+
+impl Builder<'_> {
+    fn param(&mut self, name: &str, shape: &[usize], init: Init, decay: bool) -> Result<Tensor> {
+        self.params
+            .add(self.seed, name, shape, init, decay, self.device, self.dtype)
+    }
+
+    /// A linear layer `in → out` with weight N(0, std²) and an optional zero bias.
+    pub fn linear(&mut self, name: &str, inp: usize, out: usize, std: f64, bias: bool) -> Result<Linear> {
+        let w = self.param(&format!("{name}.weight"), &[out, inp], Init::Normal(std), true)?;
+        let b = if bias {
+            Some(self.param(&format!("{name}.bias"), &[out], Init::Zeros, false)?)
+        } else {
+            None
+        };
+        Ok(Linear::new(w, b))
+    }
+
+    /// A LayerNorm over the last dim with unit weight and zero bias.
+    pub fn layer_norm(&mut self, name: &str, dim: usize) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: self.param(&format!("{name}.weight"), &[dim], Init::Ones, false)?,
+            bias: self.param(&format!("{name}.bias"), &[dim], Init::Zeros, false)?,
+        })
+    }
+
+    /// An embedding table N(0, std²), not decayed.
+    pub fn embedding(&mut self, name: &str, rows: usize, dim: usize, std: f64) -> Result<Tensor> {
+        self.param(name, &[rows, dim], Init::Normal(std), false)
+    }
+}
+
+/// LayerNorm from primitive ops (mean, variance, affine), ε = 1e-5.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let xn = xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+        xn.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)
+    }
+}
+
+/// Causal multi-head self-attention.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    qkv: Linear,
+    proj: Linear,
+    n_heads: usize,
+}
+
+impl Attention {
+    /// `mask` is `[T, T]` with 0 on and below the diagonal and a large negative value above.
+    pub fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let hd = c / self.n_heads;
+        let qkv = self
+            .qkv
+            .forward(x)?
+            .reshape((b, t, 3, self.n_heads, hd))?
+            .permute((2, 0, 3, 1, 4))?; // [3, b, h, t, hd]
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let att = att.broadcast_add(&mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        self.proj.forward(&y)
+    }
+}
+
+/// A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
+#[derive(Debug, Clone)]
+pub struct Block {
+    ln1: LayerNorm,
+    attn: Attention,
+    ln2: LayerNorm,
+    fc: Linear,
+    proj: Linear,
+}
+
+impl Block {
+    /// Block `i`'s parameters, named `h.{i}.*`, GPT-2 initialisation (residual projections
+    /// scaled by 1/√(2·n_layers)).
+    pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
+        let d = cfg.d_model;
+        let std = 0.02;
+        let proj_std = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
+        let p = format!("h.{i}");
+        Ok(Self {
+            ln1: b.layer_norm(&format!("{p}.ln1"), d)?,
+            attn: Attention {
+                qkv: b.linear(&format!("{p}.attn.qkv"), d, 3 * d, std, true)?,
+                proj: b.linear(&format!("{p}.attn.proj"), d, d, proj_std, true)?,
+                n_heads: cfg.n_heads,
+            },
+            ln2: b.layer_norm(&format!("{p}.ln2"), d)?,
+            fc: b.linear(&format!("{p}.mlp.fc"), d, cfg.mlp_ratio * d, std, true)?,
+            proj: b.linear(&format!("{p}.mlp.proj"), cfg.mlp_ratio * d, d, proj_std, true)?,
+        })
+    }
+
+    /// Applies the block to `[B, T, D]`.
+    pub fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln1.forward(x)?, mask)?)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        x + self.proj.forward(&h)?
+    }
+}
+
+/// `[T, T]` additive causal mask: 0 where key ≤ query, −1e9 above the diagonal.
+pub fn causal_mask(t: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t)
+        .flat_map(|q| (0..t).map(move |k| if k <= q { 0.0 } else { -1e9 }))
+        .collect();
+    Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)
+}

@@ -1,0 +1,183 @@
+//! AdamW with linear warmup, cosine decay and gradient-norm clipping.
+//!
+//! The update is plain tensor arithmetic in a fixed order, so replicas that apply it to the
+//! same parameters and the same gradient end bit-identical. The schedule is a pure function
+//! of the step. Clipping is per stage: in a swarm a stage never sees the other stages'
+//! gradients, so local training clips the same way to match.
+
+use super::params::ParamSet;
+use super::ModelError;
+use crate::config::OptimizerConfig;
+use candle_core::{DType, Tensor};
+
+/// Learning rate at `step` (0-based): linear warmup to `lr`, then cosine to
+/// `lr · min_lr_ratio` at `total_steps`, flat after.
+pub fn lr_at(cfg: &OptimizerConfig, step: u64, total_steps: u64) -> f64 {
+    if cfg.warmup_steps > 0 && step < cfg.warmup_steps {
+        return cfg.lr * (step + 1) as f64 / cfg.warmup_steps as f64;
+    }
+    let span = total_steps.saturating_sub(cfg.warmup_steps).max(1);
+    let progress = (step.saturating_sub(cfg.warmup_steps) as f64 / span as f64).min(1.0);
+    let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+    let min = cfg.lr * cfg.min_lr_ratio;
+    min + (cfg.lr - min) * cosine
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// The learning rate used.
+    pub lr: f64,
+    /// Global L2 norm of the gradient before clipping.
+    pub grad_norm: f64,
+    /// Whether the gradient was scaled down.
+    pub clipped: bool,
+}
+
+/// AdamW state for one stage's parameters.
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    cfg: OptimizerConfig,
+    total_steps: u64,
+    step: u64,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+/// Global L2 norm of a set of tensors.
+pub fn global_norm(tensors: &[Tensor]) -> Result<f64, ModelError> {
+    let mut sum = 0.0f64;
+    for t in tensors {
+        sum += t
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok(sum.sqrt())
+}
+
+impl AdamW {
+    /// Zeroed moments for `params`; the schedule ends at `total_steps`.
+    pub fn new(cfg: &OptimizerConfig, total_steps: u64, params: &ParamSet) -> Result<Self, ModelError> {
+        let zeros = || {
+            params
+                .vars()
+                .iter()
+                .map(|v| v.as_tensor().zeros_like())
+                .collect::<candle_core::Result<Vec<_>>>()
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            total_steps,
+            step: 0,
+            m: zeros()?,
+            v: zeros()?,
+        })
+    }
+
+    /// Steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// First and second moments, in parameter order.
+    pub fn moments(&self) -> (&[Tensor], &[Tensor]) {
+        (&self.m, &self.v)
+    }
+
+    /// Replaces the state (from a checkpoint or a peer); shapes must match.
+    pub fn restore(&mut self, step: u64, m: Vec<Tensor>, v: Vec<Tensor>) -> Result<(), ModelError> {
+        let same = |a: &[Tensor], b: &[Tensor]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.dims() == y.dims())
+        };
+        if !same(&m, &self.m) || !same(&v, &self.v) {
+            return Err(ModelError::BadInput("optimizer state does not match the parameters".into()));
+        }
+        self.step = step;
+        self.m = m;
+        self.v = v;
+        Ok(())
+    }
+
+    /// Clips `grads` to the configured norm and applies one AdamW update to `params`.
+    pub fn step(&mut self, params: &ParamSet, grads: &[Tensor]) -> Result<StepStats, ModelError> {
+        if grads.len() != params.len() {
+            return Err(ModelError::BadInput(format!(
+                "{} gradients for {} parameters",
+                grads.len(),
+                params.len()
+            )));
+        }
+        let c = &self.cfg;
+        let grad_norm = global_norm(grads)?;
+        let scale = if c.grad_clip > 0.0 && grad_norm > c.grad_clip {
+            c.grad_clip / grad_norm
+        } else {
+            1.0
+        };
+        let lr = lr_at(c, self.step, self.total_steps);
+        self.step += 1;
+        let t = self.step as i32;
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2 = 1.0 - c.beta2.powi(t);
+        for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
+            let g = if scale < 1.0 { g.affine(scale, 0.0)? } else { g.clone() };
+            let m = (self.m[i].affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
+            let v = (self.v[i].affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
+            let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, c.eps)?;
+            let update = m.affine(1.0 / bc1, 0.0)?.div(&denom)?;
+            let wd = if params.decay()[i] { c.weight_decay } else { 0.0 };
+            let p = var.as_tensor().affine(1.0 - lr * wd, 0.0)?;
+            var.set(&(p - update.affine(lr, 0.0)?)?)?;
+            self.m[i] = m;
+            self.v[i] = v;
+        }
+        Ok(StepStats {
+            lr,
+            grad_norm,
+            clipped: scale < 1.0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> OptimizerConfig {
+        crate::config::RunConfig::tiny().optimizer
+    }
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_min() {
+        let c = cfg();
+        let total = 600;
+        assert!(lr_at(&c, 0, total) < lr_at(&c, c.warmup_steps - 1, total));
+        assert!((lr_at(&c, c.warmup_steps - 1, total) - c.lr).abs() < 1e-12);
+        assert!((lr_at(&c, total, total) - c.lr * c.min_lr_ratio).abs() < 1e-12);
+        assert!((lr_at(&c, 10 * total, total) - c.lr * c.min_lr_ratio).abs() < 1e-12);
+        let mid = lr_at(&c, c.warmup_steps + (total - c.warmup_steps) / 2, total);
+        assert!((mid - c.lr * (1.0 + c.min_lr_ratio) / 2.0).abs() < 1e-6 * c.lr);
+    }
+
+    #[test]
+    fn adamw_first_step_moves_by_lr_and_clips() -> Result<(), ModelError> {
+        // With bias correction, Adam's first update is lr·sign(g) (for |g| ≫ ε).
+        let mut c = cfg();
+        c.warmup_steps = 0;
+        c.weight_decay = 0.0;
+        c.grad_clip = 1.0;
+        let dev = candle_core::Device::Cpu;
+        let mut params = ParamSet::new();
+        let p = params.add(1, "w", &[3], super::super::params::Init::Zeros, false, &dev, DType::F32)?;
+        let mut opt = AdamW::new(&c, 100, &params)?;
+        let g = Tensor::new(&[3.0f32, -4.0, 0.0], &dev)?;
+        let stats = opt.step(&params, &[g])?;
+        assert!((stats.grad_norm - 5.0).abs() < 1e-6 && stats.clipped);
+        let after = p.to_vec1::<f32>()?;
+        let lr = c.lr as f32;
+        assert!((after[0] + lr).abs() < 1e-6 && (after[1] - lr).abs() < 1e-6 && after[2] == 0.0);
+        Ok(())
+    }
+}

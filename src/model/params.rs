@@ -1,0 +1,115 @@
+//! A stage's parameters: names, shapes, deterministic initialisation and hashing.
+//!
+//! Every parameter's initial values are a function of (model seed, parameter name) only, so
+//! two peers that build the same stage hold bit-identical weights without talking, and a
+//! stage's weights do not depend on which other stages exist.
+
+use crate::rng::{derive_seed, Rng};
+use candle_core::{DType, Device, Tensor, Var};
+
+/// How a parameter starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// N(0, std²).
+    Normal(f64),
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+}
+
+/// The parameters of one stage, in a fixed order (the order they were declared in).
+#[derive(Debug, Clone)]
+pub struct ParamSet {
+    names: Vec<String>,
+    vars: Vec<Var>,
+    decay: Vec<bool>,
+}
+
+impl ParamSet {
+    pub(crate) fn new() -> Self {
+        Self {
+            names: Vec::new(),
+            vars: Vec::new(),
+            decay: Vec::new(),
+        }
+    }
+
+    /// Creates, initialises and records a parameter; returns its tensor (which tracks the
+    /// variable, so layers built from it see optimizer updates).
+    pub(crate) fn add(
+        &mut self,
+        seed: u64,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+        decay: bool,
+        device: &Device,
+        dtype: DType,
+    ) -> candle_core::Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let values: Vec<f64> = match init {
+            Init::Normal(std) => {
+                let mut rng = Rng::new(derive_seed(seed, name));
+                (0..n).map(|_| rng.normal() * std).collect()
+            }
+            Init::Zeros => vec![0.0; n],
+            Init::Ones => vec![1.0; n],
+        };
+        // Generated as f64 and rounded once, so f32 and f64 models start from the same point.
+        let t = Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?;
+        let var = Var::from_tensor(&t)?;
+        let tensor = var.as_tensor().clone();
+        self.names.push(name.to_string());
+        self.vars.push(var);
+        self.decay.push(decay);
+        Ok(tensor)
+    }
+
+    /// Parameter names in order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The variables in order.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// Whether weight decay applies to each parameter (matrices yes; biases, norms,
+    /// embeddings no).
+    pub fn decay(&self) -> &[bool] {
+        &self.decay
+    }
+
+    /// Number of parameter tensors.
+    pub fn len(&self) -> usize {
+        self.vars.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.vars.is_empty()
+    }
+
+    /// Total scalar parameters.
+    pub fn numel(&self) -> usize {
+        self.vars.iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// xxh3-64 over every parameter's bytes in order: equal hashes mean bit-identical weights.
+    pub fn hash(&self) -> candle_core::Result<u64> {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for (name, var) in self.names.iter().zip(&self.vars) {
+            h.update(name.as_bytes());
+            let flat = var.as_tensor().flatten_all()?;
+            match flat.dtype() {
+                DType::F64 => h.update(bytemuck::cast_slice(&flat.to_vec1::<f64>()?)),
+                _ => h.update(bytemuck::cast_slice(
+                    &flat.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                )),
+            }
+        }
+        Ok(h.digest())
+    }
+}

@@ -1,0 +1,331 @@
+//! One pipeline stage: a contiguous slice of the decoder with its own parameters.
+//!
+//! Stage 0 holds the token and position embeddings, the last stage the final norm, the LM
+//! head and the loss. A stage computes; it never calls the network. Backward recomputes
+//! the forward from the input it is given (what a remote replica does: it keeps no
+//! activations between calls), so `backward(input, ·)` needs only the input and the
+//! upstream gradient or targets.
+
+use super::layers::{causal_mask, Block, Builder};
+use super::params::ParamSet;
+use super::ModelError;
+use crate::config::{ModelConfig, RunConfig};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::Linear;
+
+/// What flows into a stage's backward from downstream.
+#[derive(Debug, Clone, Copy)]
+pub enum Upstream<'a> {
+    /// d(loss)/d(output), for every stage but the last.
+    Grad(&'a Tensor),
+    /// Target token ids `[B, T]` (u32), for the last stage, which computes the loss itself.
+    Targets(&'a Tensor),
+}
+
+/// The result of a stage's backward.
+#[derive(Debug, Clone)]
+pub struct StageGrads {
+    /// The loss, when this stage computed it.
+    pub loss: Option<f32>,
+    /// d(loss)/d(input); `None` on stage 0, whose input is token ids.
+    pub grad_input: Option<Tensor>,
+    /// One gradient per parameter, in [`ParamSet`] order (zeros where none flowed).
+    pub grads: Vec<Tensor>,
+}
+
+struct Embed {
+    wte: Tensor,
+    wpe: Tensor,
+}
+
+struct Head {
+    ln_f: super::layers::LayerNorm,
+    lm_head: Linear,
+}
+
+/// A stage of the model.
+pub struct Stage {
+    index: usize,
+    count: usize,
+    blocks_range: (usize, usize),
+    cfg: ModelConfig,
+    params: ParamSet,
+    embed: Option<Embed>,
+    blocks: Vec<Block>,
+    head: Option<Head>,
+    mask: Tensor,
+    device: Device,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("index", &self.index)
+            .field("count", &self.count)
+            .field("blocks", &self.blocks_range)
+            .field("params", &self.params.numel())
+            .finish()
+    }
+}
+
+impl Stage {
+    /// Builds stage `index` of the config's cut, in f32.
+    pub fn new(cfg: &RunConfig, index: usize, device: &Device) -> Result<Self, ModelError> {
+        Self::with_dtype(cfg, index, device, DType::F32)
+    }
+
+    /// Builds stage `index` in `dtype` (f64 is for numerical tests).
+    pub fn with_dtype(
+        cfg: &RunConfig,
+        index: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
+        let ranges = cfg.stage_ranges();
+        let &(lo, hi) = ranges.get(index).ok_or_else(|| {
+            ModelError::BadInput(format!("stage {index} of a {}-stage run", ranges.len()))
+        })?;
+        let m = cfg.model.clone();
+        let mut params = ParamSet::new();
+        let mut b = Builder {
+            params: &mut params,
+            seed: m.seed,
+            device,
+            dtype,
+        };
+        let embed = if index == 0 {
+            Some(Embed {
+                wte: b.embedding("wte", m.vocab, m.d_model, 0.02)?,
+                wpe: b.embedding("wpe", m.seq_len, m.d_model, 0.01)?,
+            })
+        } else {
+            None
+        };
+        let blocks = (lo..hi)
+            .map(|i| Block::new(&mut b, &m, i))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let head = if index + 1 == ranges.len() {
+            Some(Head {
+                ln_f: b.layer_norm("ln_f", m.d_model)?,
+                lm_head: b.linear("lm_head", m.d_model, m.vocab, 0.02, false)?,
+            })
+        } else {
+            None
+        };
+        let mask = causal_mask(m.seq_len, device, dtype)?;
+        Ok(Self {
+            index,
+            count: ranges.len(),
+            blocks_range: (lo, hi),
+            cfg: m,
+            params,
+            embed,
+            blocks,
+            head,
+            mask,
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    /// This stage's index.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Whether this stage takes token ids.
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+
+    /// Whether this stage computes the loss.
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+
+    /// The blocks this stage holds, `[start, end)`.
+    pub fn blocks(&self) -> (usize, usize) {
+        self.blocks_range
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &ParamSet {
+        &self.params
+    }
+
+    /// The device the stage computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The parameter dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Checks an input's dtype, rank and size before computing on it.
+    pub fn check_input(&self, input: &Tensor) -> Result<(), ModelError> {
+        let dims = input.dims();
+        if self.is_first() {
+            let ok = input.dtype() == DType::U32
+                && dims.len() == 2
+                && dims[1] >= 1
+                && dims[1] <= self.cfg.seq_len;
+            if !ok {
+                return Err(ModelError::BadInput(format!(
+                    "stage 0 takes u32 token ids [batch, ≤{}], got {:?} {dims:?}",
+                    self.cfg.seq_len,
+                    input.dtype()
+                )));
+            }
+            let max = input.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+            if max as usize >= self.cfg.vocab {
+                return Err(ModelError::BadInput(format!(
+                    "token id {max} is outside the vocab of {}",
+                    self.cfg.vocab
+                )));
+            }
+        } else {
+            let ok = input.dtype() == self.dtype
+                && dims.len() == 3
+                && dims[1] >= 1
+                && dims[1] <= self.cfg.seq_len
+                && dims[2] == self.cfg.d_model;
+            if !ok {
+                return Err(ModelError::BadInput(format!(
+                    "stage {} takes {:?} activations [batch, ≤{}, {}], got {:?} {dims:?}",
+                    self.index,
+                    self.dtype,
+                    self.cfg.seq_len,
+                    self.cfg.d_model,
+                    input.dtype()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_targets(&self, input: &Tensor, targets: &Tensor) -> Result<(), ModelError> {
+        let want = &input.dims()[..2];
+        if targets.dtype() != DType::U32 || targets.dims() != want {
+            return Err(ModelError::BadInput(format!(
+                "targets must be u32 {want:?}, got {:?} {:?}",
+                targets.dtype(),
+                targets.dims()
+            )));
+        }
+        let max = targets.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.cfg.vocab {
+            return Err(ModelError::BadInput(format!(
+                "target id {max} is outside the vocab of {}",
+                self.cfg.vocab
+            )));
+        }
+        Ok(())
+    }
+
+    fn run(&self, input: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = match &self.embed {
+            Some(e) => {
+                let (b, t) = input.dims2()?;
+                let tok = e.wte.index_select(&input.flatten_all()?, 0)?;
+                let tok = tok.reshape((b, t, self.cfg.d_model))?;
+                tok.broadcast_add(&e.wpe.narrow(0, 0, t)?)?
+            }
+            None => input.clone(),
+        };
+        for block in &self.blocks {
+            x = block.forward(&x, &self.mask)?;
+        }
+        match &self.head {
+            Some(h) => h.lm_head.forward(&h.ln_f.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+
+    /// Activations `[B, T, D]`, or logits `[B, T, vocab]` on the last stage.
+    pub fn forward(&self, input: &Tensor) -> Result<Tensor, ModelError> {
+        self.check_input(input)?;
+        Ok(self.run(input)?.detach())
+    }
+
+    /// Mean cross-entropy of the last stage's logits against `targets`.
+    pub fn loss(&self, input: &Tensor, targets: &Tensor) -> Result<Tensor, ModelError> {
+        self.check_input(input)?;
+        self.check_targets(input, targets)?;
+        self.loss_of(&self.run(input)?, targets)
+    }
+
+    fn loss_of(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor, ModelError> {
+        if !self.is_last() {
+            return Err(ModelError::BadInput(format!(
+                "stage {} is not the last stage and has no loss",
+                self.index
+            )));
+        }
+        let (b, t, v) = logits.dims3()?;
+        let flat = logits.reshape((b * t, v))?;
+        Ok(candle_nn::loss::cross_entropy(&flat, &targets.flatten_all()?)?)
+    }
+
+    /// Recomputes the forward from `input` and back-propagates `upstream` through it.
+    pub fn backward(&self, input: &Tensor, upstream: Upstream<'_>) -> Result<StageGrads, ModelError> {
+        self.check_input(input)?;
+        let input_var = if self.is_first() {
+            None
+        } else {
+            Some(Var::from_tensor(input)?)
+        };
+        let x = input_var.as_ref().map_or(input, |v| v.as_tensor());
+        let out = self.run(x)?;
+        let (objective, loss) = match upstream {
+            Upstream::Targets(targets) => {
+                self.check_targets(input, targets)?;
+                let loss = self.loss_of(&out, targets)?;
+                let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                (loss, Some(value))
+            }
+            Upstream::Grad(g) => {
+                if self.is_last() {
+                    return Err(ModelError::BadInput(
+                        "the last stage takes targets, not an output gradient".into(),
+                    ));
+                }
+                if g.dims() != out.dims() || g.dtype() != out.dtype() {
+                    return Err(ModelError::BadInput(format!(
+                        "output gradient must be {:?} {:?}, got {:?} {:?}",
+                        out.dtype(),
+                        out.dims(),
+                        g.dtype(),
+                        g.dims()
+                    )));
+                }
+                // d/dθ of Σ(out ⊙ g) is the vector-Jacobian product we want.
+                ((&out * g)?.sum_all()?, None)
+            }
+        };
+        let store = objective.backward()?;
+        let grads = self
+            .params
+            .vars()
+            .iter()
+            .map(|v| match store.get(v.as_tensor()) {
+                Some(g) => Ok(g.clone()),
+                None => v.as_tensor().zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let grad_input = match &input_var {
+            Some(v) => Some(match store.get(v.as_tensor()) {
+                Some(g) => g.clone(),
+                None => input.zeros_like()?,
+            }),
+            None => None,
+        };
+        Ok(StageGrads {
+            loss,
+            grad_input,
+            grads,
+        })
+    }
+}
