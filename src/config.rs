@@ -127,9 +127,13 @@ pub enum DataConfig {
         /// Seed of the transition table (default 7).
         #[serde(default = "d_markov_seed")]
         seed: u64,
-        /// Next tokens each context can take (default 4).
+        /// Next tokens each context (previous two tokens) can take (default 4).
         #[serde(default = "d_branching")]
         branching: usize,
+        /// Successors each token can have at all; contexts pick from their last token's
+        /// pool (default: 2 × branching, capped at the vocab).
+        #[serde(default)]
+        pool: Option<usize>,
     },
     /// A UTF-8 text file, one token per byte.
     Text {
@@ -148,6 +152,7 @@ impl Default for DataConfig {
         Self::Markov {
             seed: d_markov_seed(),
             branching: d_branching(),
+            pool: None,
         }
     }
 }
@@ -258,6 +263,16 @@ fn d_opt() -> OptimizerConfig {
 }
 fn d_training() -> TrainingConfig {
     toml::from_str("").unwrap_or_else(|_| unreachable!("every training field has a default"))
+}
+
+impl DataConfig {
+    /// The Markov pool size this config implies, if it is the Markov corpus.
+    pub fn markov_pool(&self, vocab: usize) -> Option<usize> {
+        match self {
+            Self::Markov { branching, pool, .. } => Some(pool.unwrap_or(2 * branching).min(vocab)),
+            _ => None,
+        }
+    }
 }
 
 impl RunConfig {
@@ -371,6 +386,14 @@ impl RunConfig {
             DataConfig::Markov { branching, .. } if *branching == 0 || *branching > m.vocab => {
                 bad(format!(
                     "data.branching must be in 1..={} (the vocab)",
+                    m.vocab
+                ))
+            }
+            DataConfig::Markov { branching, pool: Some(p), .. }
+                if *p < *branching || *p > m.vocab =>
+            {
+                bad(format!(
+                    "data.pool must be in {branching}..={} (branching..=vocab)",
                     m.vocab
                 ))
             }

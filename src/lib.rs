@@ -13,6 +13,14 @@
 //! - [`rng`]: the seeded generator every peer computes identically.
 pub mod bench;
 pub mod config;
+pub mod data;
 pub mod model;
 pub mod rng;
+pub mod train;
 pub mod wire;
+
+/// candle allocates a fresh buffer for every op; glibc serves large ones with mmap and
+/// hands them back at once, so training spent a third of its time in page faults.
+/// mimalloc keeps freed memory for reuse.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;

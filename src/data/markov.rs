@@ -1,0 +1,188 @@
+//! The built-in corpus: a seeded random order-2 Markov source with an exactly known entropy.
+//!
+//! Each token `b` has a pool of `pool` possible successors; each context (a, b) can be
+//! followed by `branching` tokens from b's pool, with Dirichlet(1)-distributed
+//! probabilities. The last token narrows the next one down and the one before pins it, so
+//! a model can learn the source in stages (bigram, then trigram) instead of all at once. The stationary distribution over contexts is found
+//! by iterating the (lazy) chain to convergence, which gives the entropy rate — the best
+//! loss any model can reach — without sampling.
+
+use crate::rng::{derive_seed, Rng};
+
+/// An order-2 Markov token source.
+#[derive(Debug, Clone)]
+pub struct MarkovSource {
+    vocab: usize,
+    /// Per context `a·V + b`: the possible next tokens and their cumulative probabilities.
+    next: Vec<Vec<(u32, f64)>>,
+    /// Stationary probability of each context, and its cumulative sum for sampling.
+    stationary: Vec<f64>,
+    stationary_cum: Vec<f64>,
+}
+
+impl MarkovSource {
+    /// Builds the source for `vocab` tokens from `seed`; needs
+    /// 1 ≤ `branching` ≤ `pool` ≤ `vocab`.
+    pub fn new(vocab: usize, branching: usize, pool: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(derive_seed(seed, "markov"));
+        let mut all: Vec<u32> = (0..vocab as u32).collect();
+        let mut shuffled_prefix = |rng: &mut Rng, k: usize| -> Vec<u32> {
+            // Partial Fisher–Yates: the first k of a shuffled list.
+            for i in 0..k {
+                let j = i + rng.below((vocab - i) as u64) as usize;
+                all.swap(i, j);
+            }
+            all[..k].to_vec()
+        };
+        let pools: Vec<Vec<u32>> = (0..vocab).map(|_| shuffled_prefix(&mut rng, pool)).collect();
+        let mut next = Vec::with_capacity(vocab * vocab);
+        for ctx in 0..vocab * vocab {
+            let mut pool = pools[ctx % vocab].clone();
+            for i in 0..branching {
+                let j = i + rng.below((pool.len() - i) as u64) as usize;
+                pool.swap(i, j);
+            }
+            let w: Vec<f64> = (0..branching).map(|_| rng.exponential()).collect();
+            let total: f64 = w.iter().sum();
+            let mut acc = 0.0;
+            let row = pool[..branching]
+                .iter()
+                .zip(&w)
+                .map(|(&t, &wi)| {
+                    acc += wi / total;
+                    (t, acc)
+                })
+                .collect();
+            next.push(row);
+        }
+        let stationary = Self::stationary_of(vocab, &next);
+        let mut acc = 0.0;
+        let stationary_cum = stationary.iter().map(|p| { acc += p; acc }).collect();
+        Self {
+            vocab,
+            next,
+            stationary,
+            stationary_cum,
+        }
+    }
+
+    fn probs(row: &[(u32, f64)]) -> impl Iterator<Item = (u32, f64)> + '_ {
+        row.iter().scan(0.0, |prev, &(t, c)| {
+            let p = c - *prev;
+            *prev = c;
+            Some((t, p))
+        })
+    }
+
+    fn stationary_of(v: usize, next: &[Vec<(u32, f64)>]) -> Vec<f64> {
+        let n = v * v;
+        let mut pi = vec![1.0 / n as f64; n];
+        let mut nxt = vec![0.0; n];
+        for _ in 0..100_000 {
+            nxt.iter_mut().for_each(|x| *x = 0.0);
+            for (ctx, row) in next.iter().enumerate() {
+                let b = ctx % v;
+                for (t, p) in Self::probs(row) {
+                    nxt[b * v + t as usize] += pi[ctx] * p;
+                }
+            }
+            // Lazy chain (½I + ½P): same stationary law, and it converges even if P is periodic.
+            let mut delta = 0.0;
+            for (x, y) in pi.iter_mut().zip(&nxt) {
+                let z = 0.5 * (*x + y);
+                delta += (z - *x).abs();
+                *x = z;
+            }
+            if delta < 1e-14 {
+                break;
+            }
+        }
+        let total: f64 = pi.iter().sum();
+        pi.iter().map(|p| p / total).collect()
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Entropy rate in nats per token: Σ_ctx π(ctx) · H(next | ctx).
+    pub fn entropy_rate(&self) -> f64 {
+        self.next
+            .iter()
+            .zip(&self.stationary)
+            .map(|(row, &pi)| pi * -Self::probs(row).map(|(_, p)| if p > 0.0 { p * p.ln() } else { 0.0 }).sum::<f64>())
+            .sum()
+    }
+
+    /// The lowest expected mean loss over a sequence of `seq_len` predictions: the first
+    /// prediction sees one token of context (H(X₁|X₀)), the others see two (the entropy rate).
+    pub fn best_loss(&self, seq_len: usize) -> f64 {
+        let v = self.vocab;
+        let h = |ps: &mut dyn Iterator<Item = f64>| -> f64 {
+            -ps.filter(|&p| p > 0.0).map(|p| p * p.ln()).sum::<f64>()
+        };
+        let h_pair = h(&mut self.stationary.iter().copied());
+        let marg: Vec<f64> = (0..v).map(|a| self.stationary[a * v..(a + 1) * v].iter().sum()).collect();
+        let h_first = h_pair - h(&mut marg.into_iter());
+        let t = seq_len.max(1) as f64;
+        (h_first + (t - 1.0) * self.entropy_rate()) / t
+    }
+
+    fn pick(cum: &[f64], u: f64) -> usize {
+        cum.partition_point(|&c| c <= u).min(cum.len() - 1)
+    }
+
+    /// Appends `len` tokens to `out`, starting from a context drawn from the stationary law.
+    pub fn sample_into(&self, rng: &mut Rng, len: usize, out: &mut Vec<u32>) {
+        let ctx = Self::pick(&self.stationary_cum, rng.next_f64());
+        let (mut a, mut b) = ((ctx / self.vocab) as u32, (ctx % self.vocab) as u32);
+        for i in 0..len {
+            let tok = match i {
+                0 => a,
+                1 => b,
+                _ => {
+                    let row = &self.next[a as usize * self.vocab + b as usize];
+                    let cum: Vec<f64> = row.iter().map(|&(_, c)| c).collect();
+                    let t = row[Self::pick(&cum, rng.next_f64())].0;
+                    a = b;
+                    b = t;
+                    t
+                }
+            };
+            out.push(tok);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stationary_is_a_fixed_point_and_entropy_is_in_range() {
+        let m = MarkovSource::new(16, 4, 8, 7);
+        let total: f64 = m.stationary.iter().sum();
+        assert!((total - 1.0).abs() < 1e-12);
+        let h = m.entropy_rate();
+        assert!(h > 0.0 && h < (4f64).ln(), "entropy rate {h}");
+        assert!(m.best_loss(64) >= h);
+    }
+
+    #[test]
+    fn empirical_log_loss_matches_entropy_rate() {
+        // The true model's average log loss on samples converges to the entropy rate.
+        let m = MarkovSource::new(16, 4, 6, 3);
+        let mut rng = Rng::new(1);
+        let mut seq = Vec::new();
+        m.sample_into(&mut rng, 200_000, &mut seq);
+        let mut nll = 0.0;
+        for w in seq.windows(3) {
+            let row = &m.next[w[0] as usize * 16 + w[1] as usize];
+            let p = MarkovSource::probs(row).find(|&(t, _)| t == w[2]).map(|(_, p)| p).expect("seen");
+            nll -= p.ln();
+        }
+        let emp = nll / (seq.len() - 2) as f64;
+        assert!((emp - m.entropy_rate()).abs() < 0.01, "empirical {emp} vs {}", m.entropy_rate());
+    }
+}

@@ -1,0 +1,271 @@
+//! Local training: every stage in one process, activations passed through the wire codec.
+//!
+//! Between stages, activations (forward) and their gradients (backward) are encoded and
+//! decoded with the run's activation codec exactly as they will be on the network, so the
+//! effect of compression on training shows here first. One optimizer step accumulates
+//! `target_batch_size` samples in microbatches of `batch_size`. Reporting is a callback; this
+//! module prints nothing.
+
+use crate::config::RunConfig;
+use crate::data::{Batch, DataError, Sampler, TokenSource};
+use crate::model::{build_stages, AdamW, ModelError, Stage, Upstream};
+use crate::wire::{self, CodecSpec, Limits, WireError};
+use candle_core::{Device, Tensor};
+use std::time::Instant;
+
+/// Why local training stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The model refused an input or an op failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A tensor did not survive the codec.
+    #[error("wire: {0}")]
+    Wire(#[from] WireError),
+    /// The data source could not be opened.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// The loss became NaN or infinite.
+    #[error("loss diverged to {loss} at step {step}; try a lower optimizer.lr")]
+    Diverged {
+        /// Step at which it happened.
+        step: u64,
+        /// The loss.
+        loss: f32,
+    },
+}
+
+impl From<candle_core::Error> for TrainError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Model(ModelError::Candle(e))
+    }
+}
+
+/// Options beyond the run config.
+#[derive(Debug, Clone)]
+pub struct LocalOptions {
+    /// Optimizer steps to run (default: the config's `training.steps`).
+    pub steps: Option<u64>,
+    /// Device for every stage.
+    pub device: Device,
+    /// Held-out batches for the final evaluation.
+    pub eval_batches: usize,
+}
+
+impl Default for LocalOptions {
+    fn default() -> Self {
+        Self {
+            steps: None,
+            device: Device::Cpu,
+            eval_batches: 8,
+        }
+    }
+}
+
+/// One step's figures, for progress display.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    /// Steps done (1-based).
+    pub step: u64,
+    /// Steps planned.
+    pub steps: u64,
+    /// Mean training loss of this step's samples.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Tokens per second since the start.
+    pub tokens_per_s: f64,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct LocalReport {
+    /// Steps run.
+    pub steps: u64,
+    /// Training loss of every step.
+    pub losses: Vec<f32>,
+    /// Mean loss on held-out batches after training.
+    pub eval_loss: f64,
+    /// The corpus's entropy rate (built-in corpus only).
+    pub entropy_rate: Option<f64>,
+    /// The best achievable mean loss at this sequence length (built-in corpus only).
+    pub best_loss: Option<f64>,
+    /// Tokens trained on per second.
+    pub tokens_per_s: f64,
+    /// Seconds of training.
+    pub seconds: f64,
+    /// f32 bytes that crossed stage boundaries.
+    pub raw_bytes: u64,
+    /// Frame bytes that crossed stage boundaries.
+    pub wire_bytes: u64,
+}
+
+impl LocalReport {
+    /// f32 bytes over frame bytes across stage boundaries (1 for a single stage).
+    pub fn compression_ratio(&self) -> f64 {
+        if self.wire_bytes == 0 {
+            1.0
+        } else {
+            self.raw_bytes as f64 / self.wire_bytes as f64
+        }
+    }
+
+    /// Mean training loss over the last `n` steps.
+    pub fn tail_loss(&self, n: usize) -> f64 {
+        let tail = &self.losses[self.losses.len().saturating_sub(n)..];
+        tail.iter().map(|&l| l as f64).sum::<f64>() / tail.len().max(1) as f64
+    }
+}
+
+/// Sends a tensor through encode → decode as a stage boundary would.
+struct Boundary {
+    spec: CodecSpec,
+    frame: Vec<u8>,
+    values: Vec<f32>,
+    raw_bytes: u64,
+    wire_bytes: u64,
+}
+
+impl Boundary {
+    fn cross(&mut self, t: &Tensor) -> Result<Tensor, TrainError> {
+        let shape = t.dims().to_vec();
+        let data = t.flatten_all()?.to_vec1::<f32>()?;
+        self.frame.clear();
+        wire::encode_f32(&shape, &data, &self.spec, &mut self.frame)?;
+        wire::decode_f32_into(&self.frame, &Limits::default(), &mut self.values)?;
+        self.raw_bytes += 4 * data.len() as u64;
+        self.wire_bytes += self.frame.len() as u64;
+        Ok(Tensor::from_slice(&self.values, shape, t.device())?)
+    }
+}
+
+fn batch_tensors(b: &Batch, device: &Device) -> Result<(Tensor, Tensor), TrainError> {
+    let x = Tensor::from_slice(&b.inputs, (b.batch, b.seq_len), device)?;
+    let y = Tensor::from_slice(&b.targets, (b.batch, b.seq_len), device)?;
+    Ok((x, y))
+}
+
+fn forward_all(stages: &[Stage], x: Tensor, wire: &mut Boundary) -> Result<Vec<Tensor>, TrainError> {
+    let mut acts = vec![x];
+    for s in &stages[..stages.len() - 1] {
+        let out = s.forward(acts.last().unwrap_or_else(|| unreachable!("starts non-empty")))?;
+        acts.push(wire.cross(&out)?);
+    }
+    Ok(acts)
+}
+
+/// Mean loss over `n` held-out batches.
+pub fn evaluate(cfg: &RunConfig, stages: &[Stage], source: &TokenSource, n: usize) -> Result<f64, TrainError> {
+    let mut sampler = Sampler::eval(cfg.training.data_seed);
+    let mut wire = Boundary {
+        spec: cfg.codecs.activations,
+        frame: Vec::new(),
+        values: Vec::new(),
+        raw_bytes: 0,
+        wire_bytes: 0,
+    };
+    let device = stages[0].device().clone();
+    let mut total = 0.0;
+    for _ in 0..n {
+        let b = sampler.next_batch(source, cfg.training.batch_size, cfg.model.seq_len);
+        let (x, y) = batch_tensors(&b, &device)?;
+        let acts = forward_all(stages, x, &mut wire)?;
+        let last = stages.len() - 1;
+        total += stages[last].loss(&acts[last], &y)?.to_scalar::<f32>()? as f64;
+    }
+    Ok(total / n.max(1) as f64)
+}
+
+/// Trains every stage of `cfg` in this process; calls `progress` after each step.
+pub fn train_local(
+    cfg: &RunConfig,
+    opts: &LocalOptions,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<LocalReport, TrainError> {
+    let source = TokenSource::open(cfg)?;
+    let stages = build_stages(cfg, &opts.device)?;
+    let steps = opts.steps.unwrap_or(cfg.training.steps);
+    let total_steps = cfg.training.steps.max(steps);
+    let mut opts_per_stage = stages
+        .iter()
+        .map(|s| AdamW::new(&cfg.optimizer, total_steps, s.params()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut sampler = Sampler::new(cfg.training.data_seed, 0);
+    let mut wire = Boundary {
+        spec: cfg.codecs.activations,
+        frame: Vec::new(),
+        values: Vec::new(),
+        raw_bytes: 0,
+        wire_bytes: 0,
+    };
+    let (batch, seq) = (cfg.training.batch_size, cfg.model.seq_len);
+    let micro_per_step = cfg.target_batch_size().div_ceil(batch);
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(steps as usize);
+    let mut tokens = 0u64;
+    for step in 0..steps {
+        let mut acc: Vec<Option<Vec<Tensor>>> = vec![None; stages.len()];
+        let mut loss_sum = 0.0f32;
+        for _ in 0..micro_per_step {
+            let b = sampler.next_batch(&source, batch, seq);
+            let (x, y) = batch_tensors(&b, &opts.device)?;
+            let acts = forward_all(&stages, x, &mut wire)?;
+            let mut grad: Option<Tensor> = None;
+            for (i, stage) in stages.iter().enumerate().rev() {
+                let up = match &grad {
+                    None => Upstream::Targets(&y),
+                    Some(g) => Upstream::Grad(g),
+                };
+                let out = stage.backward(&acts[i], up)?;
+                loss_sum += out.loss.unwrap_or(0.0);
+                acc[i] = Some(match acc[i].take() {
+                    None => out.grads,
+                    Some(prev) => prev
+                        .iter()
+                        .zip(&out.grads)
+                        .map(|(a, b)| a + b)
+                        .collect::<candle_core::Result<Vec<_>>>()?,
+                });
+                grad = match out.grad_input {
+                    Some(g) => Some(wire.cross(&g)?),
+                    None => None,
+                };
+            }
+            tokens += (batch * seq) as u64;
+        }
+        let loss = loss_sum / micro_per_step as f32;
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged { step, loss });
+        }
+        let mut lr = 0.0;
+        for ((stage, opt), grads) in stages.iter().zip(&mut opts_per_stage).zip(acc) {
+            let mut grads = grads.unwrap_or_default();
+            if micro_per_step > 1 {
+                let k = 1.0 / micro_per_step as f64;
+                grads = grads.iter().map(|g| g.affine(k, 0.0)).collect::<candle_core::Result<_>>()?;
+            }
+            lr = opt.step(stage.params(), &grads)?.lr;
+        }
+        losses.push(loss);
+        progress(&Progress {
+            step: step + 1,
+            steps,
+            loss,
+            lr,
+            tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64().max(1e-9),
+        });
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let eval_loss = evaluate(cfg, &stages, &source, opts.eval_batches)?;
+    Ok(LocalReport {
+        steps,
+        losses,
+        eval_loss,
+        entropy_rate: source.entropy_rate(),
+        best_loss: source.best_loss(seq),
+        tokens_per_s: tokens as f64 / seconds.max(1e-9),
+        seconds,
+        raw_bytes: wire.raw_bytes,
+        wire_bytes: wire.wire_bytes,
+    })
+}
