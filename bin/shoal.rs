@@ -1,1 +1,274 @@
-fn main() {}
+//! The `shoal` command line: clap flags → a validated config → a library call.
+//!
+//! Only argument handling and terminal output live here; every decision is in the library.
+//! Errors print as one line (`error: ...`) and exit with status 1.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use shoal::config::{DataConfig, RunConfig};
+use shoal::train::{LocalOptions, LocalReport, Progress};
+use shoal::wire::CodecSpec;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(name = "shoal", version, about = "Train one neural network on a swarm of volunteer GPUs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a run. `--local` trains every stage in this process.
+    Train(TrainArgs),
+    /// Train the built-in tiny model on the built-in corpus and check it learned.
+    Demo(DemoArgs),
+    /// Benchmarks that print tables.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Train all stages in this process (the swarm trainer comes with the network layer).
+    #[arg(long)]
+    local: bool,
+    /// Run config (TOML), e.g. configs/tiny.toml.
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Train on this data instead of the config's: a UTF-8 text file (byte tokens), or a
+    /// `.bin` shard / folder of shards of little-endian u16 tokens.
+    #[arg(long, value_name = "PATH")]
+    data: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+}
+
+#[derive(Args)]
+struct CommonArgs {
+    /// Optimizer steps (default: the config's training.steps).
+    #[arg(long, value_name = "N")]
+    steps: Option<u64>,
+    /// Device: cpu, cuda:N or metal.
+    #[arg(long, default_value = "cpu", value_name = "DEVICE")]
+    device: String,
+    /// Codec for activations between stages: f32, f16, bf16, int8[:BLOCK], optionally +zstd[1-3].
+    #[arg(long, value_name = "CODEC")]
+    activations: Option<String>,
+    /// Number of pipeline stages (default: the config's stages.count).
+    #[arg(long, value_name = "S")]
+    stages: Option<usize>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Encode+decode speed, compression ratio and error of every tensor codec.
+    Codec {
+        /// Elements in the N(0, 1) test tensor.
+        #[arg(long, default_value_t = 16 << 20)]
+        elements: usize,
+        /// Timed repetitions per codec (the fastest is reported).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Comma-separated codecs (default: f32,f16,bf16,int8,int8+zstd1,bf16+zstd1).
+        #[arg(long, value_name = "LIST")]
+        codecs: Option<String>,
+    },
+}
+
+fn parse_codec(s: &str) -> Result<CodecSpec> {
+    Ok(s.parse::<CodecSpec>()?)
+}
+
+fn apply_common(cfg: &mut RunConfig, c: &CommonArgs) -> Result<LocalOptions> {
+    let device = shoal::model::parse_device(&c.device).map_err(anyhow::Error::msg)?;
+    if let Some(a) = &c.activations {
+        cfg.codecs.activations = parse_codec(a)?;
+    }
+    if let Some(s) = c.stages {
+        cfg.stages.count = s;
+        cfg.stages.cuts.clear();
+    }
+    if c.steps == Some(0) {
+        bail!("--steps must be at least 1");
+    }
+    cfg.validate()?;
+    Ok(LocalOptions {
+        steps: c.steps,
+        device,
+        ..LocalOptions::default()
+    })
+}
+
+fn data_override(cfg: &mut RunConfig, path: &Path) -> Result<()> {
+    if !path.exists() {
+        bail!("data path {} does not exist", path.display());
+    }
+    let shards = path.is_dir() || path.extension().is_some_and(|e| e == "bin");
+    cfg.data = if shards {
+        DataConfig::Shards { path: path.to_path_buf() }
+    } else {
+        if cfg.model.vocab < 256 {
+            eprintln!("note: text is tokenised as bytes; model.vocab raised from {} to 256", cfg.model.vocab);
+            cfg.model.vocab = 256;
+        }
+        DataConfig::Text { path: path.to_path_buf() }
+    };
+    Ok(())
+}
+
+/// Prints progress: a bar redrawn in place on a terminal, a line every ~5% otherwise.
+struct ProgressPrinter {
+    tty: bool,
+    every: u64,
+    started: Instant,
+}
+
+impl ProgressPrinter {
+    fn new(steps: u64) -> Self {
+        Self {
+            tty: std::io::stderr().is_terminal(),
+            every: (steps / 20).max(1),
+            started: Instant::now(),
+        }
+    }
+
+    fn show(&self, p: &Progress) {
+        if self.tty {
+            let width = 24;
+            let done = (p.step * width / p.steps.max(1)) as usize;
+            let eta = self.started.elapsed().as_secs_f64() / p.step as f64 * (p.steps - p.step) as f64;
+            eprint!(
+                "\r[{}{}] step {}/{} loss {:.4} lr {:.2e} tok/s {:.0} eta {:.0}s ",
+                "#".repeat(done),
+                ".".repeat(width as usize - done),
+                p.step,
+                p.steps,
+                p.loss,
+                p.lr,
+                p.tokens_per_s,
+                eta
+            );
+            let _ = std::io::stderr().flush();
+            if p.step == p.steps {
+                eprintln!();
+            }
+        } else if p.step == 1 || p.step % self.every == 0 || p.step == p.steps {
+            println!(
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  tok/s {:.0}",
+                p.step, p.steps, p.loss, p.lr, p.tokens_per_s
+            );
+        }
+    }
+}
+
+fn summary(cfg: &RunConfig, r: &LocalReport) -> String {
+    let mut s = format!(
+        "done: {} steps in {:.1}s, train loss {:.4} (mean of last 20), eval loss {:.4}",
+        r.steps,
+        r.seconds,
+        r.tail_loss(20),
+        r.eval_loss
+    );
+    if let Some(h) = r.entropy_rate {
+        s += &format!(", corpus entropy {h:.4} nats (gap {:.4})", r.eval_loss - h);
+    }
+    s += &format!(", {:.0} tok/s", r.tokens_per_s);
+    if cfg.stages.count > 1 {
+        s += &format!(
+            ", activations {} {:.2}x smaller on the wire",
+            cfg.codecs.activations,
+            r.compression_ratio()
+        );
+    }
+    s
+}
+
+fn train(cfg: &RunConfig, opts: &LocalOptions) -> Result<LocalReport> {
+    let steps = opts.steps.unwrap_or(cfg.training.steps);
+    println!(
+        "training {} stage(s) of a {}-layer d{} model locally for {steps} steps on {:?}, activations {}",
+        cfg.stages.count, cfg.model.n_layers, cfg.model.d_model, opts.device, cfg.codecs.activations
+    );
+    let printer = ProgressPrinter::new(steps);
+    let report = shoal::train::train_local(cfg, opts, &mut |p| printer.show(p))?;
+    println!("{}", summary(cfg, &report));
+    Ok(report)
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Train(a) => {
+            if !a.local {
+                bail!("swarm training is not built yet; pass --local to train every stage in this process");
+            }
+            let mut cfg = RunConfig::load(&a.config)?;
+            if let Some(d) = &a.data {
+                data_override(&mut cfg, d)?;
+            }
+            let opts = apply_common(&mut cfg, &a.common)?;
+            train(&cfg, &opts)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo(a) => {
+            let mut cfg = RunConfig::tiny();
+            let opts = apply_common(&mut cfg, &a.common)?;
+            println!("shoal demo: the built-in tiny config on the built-in Markov corpus");
+            let report = train(&cfg, &opts)?;
+            match cfg.training.target_loss {
+                Some(t) if report.eval_loss > t => {
+                    println!("demo FAILED: eval loss {:.4} did not reach the target {t}", report.eval_loss);
+                    Ok(ExitCode::FAILURE)
+                }
+                Some(t) => {
+                    println!("demo ok: eval loss {:.4} reached the target {t}", report.eval_loss);
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => Ok(ExitCode::SUCCESS),
+            }
+        }
+        Command::Bench { which: BenchCommand::Codec { elements, reps, codecs } } => {
+            let mut cfg = shoal::bench::codec::CodecBenchConfig {
+                elements,
+                reps: reps.max(1),
+                ..Default::default()
+            };
+            if elements == 0 {
+                bail!("--elements must be at least 1");
+            }
+            if let Some(list) = codecs {
+                cfg.codecs = list.split(',').map(parse_codec).collect::<Result<_>>()?;
+            }
+            println!(
+                "codec benchmark: {} f32 values from N(0,1), one thread, best of {} (buffers reused)",
+                cfg.elements, cfg.reps
+            );
+            let rows = shoal::bench::codec::run(&cfg).context("codec benchmark")?;
+            print!("{}", shoal::bench::codec::table(&rows));
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            let msg = format!("{e:#}").replace('\n', " ");
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

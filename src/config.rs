@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
+    #[error("cannot read config {path}: {cause}")]
     Read {
         /// The path given.
         path: PathBuf,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The TOML did not parse or has unknown or ill-typed fields.
     #[error("bad config {path}: {message}")]
@@ -288,9 +288,9 @@ impl RunConfig {
 
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Self::from_toml(&text, &path.display().to_string())
     }

@@ -17,12 +17,12 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// The path does not exist or cannot be read.
-    #[error("cannot read data {path}: {source}")]
+    #[error("cannot read data {path}: {cause}")]
     Read {
         /// The path.
         path: PathBuf,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file holds no tokens.
     #[error("data file {0} is empty")]
@@ -70,9 +70,9 @@ pub enum TokenSource {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, DataError> {
-    std::fs::read(path).map_err(|source| DataError::Read {
+    std::fs::read(path).map_err(|cause| DataError::Read {
         path: path.to_path_buf(),
-        source,
+        cause,
     })
 }
 
@@ -80,9 +80,9 @@ fn shard_files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
     if !path.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
-    let entries = std::fs::read_dir(path).map_err(|source| DataError::Read {
+    let entries = std::fs::read_dir(path).map_err(|cause| DataError::Read {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
