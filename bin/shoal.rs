@@ -14,7 +14,11 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "shoal", version, about = "Train one neural network on a swarm of volunteer GPUs")]
+#[command(
+    name = "shoal",
+    version,
+    about = "Train one neural network on a swarm of volunteer GPUs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -117,13 +121,20 @@ fn data_override(cfg: &mut RunConfig, path: &Path) -> Result<()> {
     }
     let shards = path.is_dir() || path.extension().is_some_and(|e| e == "bin");
     cfg.data = if shards {
-        DataConfig::Shards { path: path.to_path_buf() }
+        DataConfig::Shards {
+            path: path.to_path_buf(),
+        }
     } else {
         if cfg.model.vocab < 256 {
-            eprintln!("note: text is tokenised as bytes; model.vocab raised from {} to 256", cfg.model.vocab);
+            eprintln!(
+                "note: text is tokenised as bytes; model.vocab raised from {} to 256",
+                cfg.model.vocab
+            );
             cfg.model.vocab = 256;
         }
-        DataConfig::Text { path: path.to_path_buf() }
+        DataConfig::Text {
+            path: path.to_path_buf(),
+        }
     };
     Ok(())
 }
@@ -148,7 +159,8 @@ impl ProgressPrinter {
         if self.tty {
             let width = 24;
             let done = (p.step * width / p.steps.max(1)) as usize;
-            let eta = self.started.elapsed().as_secs_f64() / p.step as f64 * (p.steps - p.step) as f64;
+            let eta =
+                self.started.elapsed().as_secs_f64() / p.step as f64 * (p.steps - p.step) as f64;
             eprint!(
                 "\r[{}{}] step {}/{} loss {:.4} lr {:.2e} tok/s {:.0} eta {:.0}s ",
                 "#".repeat(done),
@@ -228,17 +240,30 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let report = train(&cfg, &opts)?;
             match cfg.training.target_loss {
                 Some(t) if report.eval_loss > t => {
-                    println!("demo FAILED: eval loss {:.4} did not reach the target {t}", report.eval_loss);
+                    println!(
+                        "demo FAILED: eval loss {:.4} did not reach the target {t}",
+                        report.eval_loss
+                    );
                     Ok(ExitCode::FAILURE)
                 }
                 Some(t) => {
-                    println!("demo ok: eval loss {:.4} reached the target {t}", report.eval_loss);
+                    println!(
+                        "demo ok: eval loss {:.4} reached the target {t}",
+                        report.eval_loss
+                    );
                     Ok(ExitCode::SUCCESS)
                 }
                 None => Ok(ExitCode::SUCCESS),
             }
         }
-        Command::Bench { which: BenchCommand::Codec { elements, reps, codecs } } => {
+        Command::Bench {
+            which:
+                BenchCommand::Codec {
+                    elements,
+                    reps,
+                    codecs,
+                },
+        } => {
             let mut cfg = shoal::bench::codec::CodecBenchConfig {
                 elements,
                 reps: reps.max(1),

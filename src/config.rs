@@ -269,7 +269,9 @@ impl DataConfig {
     /// The Markov pool size this config implies, if it is the Markov corpus.
     pub fn markov_pool(&self, vocab: usize) -> Option<usize> {
         match self {
-            Self::Markov { branching, pool, .. } => Some(pool.unwrap_or(2 * branching).min(vocab)),
+            Self::Markov {
+                branching, pool, ..
+            } => Some(pool.unwrap_or(2 * branching).min(vocab)),
             _ => None,
         }
     }
@@ -333,7 +335,10 @@ impl RunConfig {
             return bad("model.vocab ≥ 2 and d_model, n_layers, n_heads, seq_len ≥ 1".into());
         }
         if m.vocab > u32::MAX as usize {
-            return bad(format!("model.vocab {} does not fit u32 token ids", m.vocab));
+            return bad(format!(
+                "model.vocab {} does not fit u32 token ids",
+                m.vocab
+            ));
         }
         if m.d_model % m.n_heads != 0 {
             return bad(format!(
@@ -375,7 +380,7 @@ impl RunConfig {
         if !(0.0..=1.0).contains(&o.min_lr_ratio) || o.weight_decay < 0.0 || o.grad_clip < 0.0 {
             return bad("optimizer.min_lr_ratio in [0, 1], weight_decay and grad_clip ≥ 0".into());
         }
-        if !(o.eps > 0.0) {
+        if o.eps <= 0.0 || o.eps.is_nan() {
             return bad("optimizer.eps must be positive".into());
         }
         let t = &self.training;
@@ -383,20 +388,17 @@ impl RunConfig {
             return bad("training.batch_size, target_batch_size and steps must be ≥ 1".into());
         }
         match &self.data {
-            DataConfig::Markov { branching, .. } if *branching == 0 || *branching > m.vocab => {
-                bad(format!(
-                    "data.branching must be in 1..={} (the vocab)",
-                    m.vocab
-                ))
-            }
-            DataConfig::Markov { branching, pool: Some(p), .. }
-                if *p < *branching || *p > m.vocab =>
-            {
-                bad(format!(
-                    "data.pool must be in {branching}..={} (branching..=vocab)",
-                    m.vocab
-                ))
-            }
+            DataConfig::Markov { branching, .. } if *branching == 0 || *branching > m.vocab => bad(
+                format!("data.branching must be in 1..={} (the vocab)", m.vocab),
+            ),
+            DataConfig::Markov {
+                branching,
+                pool: Some(p),
+                ..
+            } if *p < *branching || *p > m.vocab => bad(format!(
+                "data.pool must be in {branching}..={} (branching..=vocab)",
+                m.vocab
+            )),
             DataConfig::Text { .. } if m.vocab < 256 => bad(format!(
                 "text data is tokenised as bytes and needs model.vocab ≥ 256, got {}",
                 m.vocab
@@ -445,7 +447,7 @@ mod tests {
         let mut cfg = RunConfig::tiny();
         cfg.stages.count = 2;
         cfg.stages.cuts = vec![1];
-        cfg.validate().unwrap();
+        cfg.validate().expect("cuts [1] are valid");
         assert_eq!(cfg.stage_ranges(), vec![(0, 1), (1, cfg.model.n_layers)]);
         cfg.stages.cuts = vec![0];
         assert!(cfg.validate().is_err());

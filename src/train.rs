@@ -145,17 +145,29 @@ fn batch_tensors(b: &Batch, device: &Device) -> Result<(Tensor, Tensor), TrainEr
     Ok((x, y))
 }
 
-fn forward_all(stages: &[Stage], x: Tensor, wire: &mut Boundary) -> Result<Vec<Tensor>, TrainError> {
+fn forward_all(
+    stages: &[Stage],
+    x: Tensor,
+    wire: &mut Boundary,
+) -> Result<Vec<Tensor>, TrainError> {
     let mut acts = vec![x];
     for s in &stages[..stages.len() - 1] {
-        let out = s.forward(acts.last().unwrap_or_else(|| unreachable!("starts non-empty")))?;
+        let out = s.forward(
+            acts.last()
+                .unwrap_or_else(|| unreachable!("starts non-empty")),
+        )?;
         acts.push(wire.cross(&out)?);
     }
     Ok(acts)
 }
 
 /// Mean loss over `n` held-out batches.
-pub fn evaluate(cfg: &RunConfig, stages: &[Stage], source: &TokenSource, n: usize) -> Result<f64, TrainError> {
+pub fn evaluate(
+    cfg: &RunConfig,
+    stages: &[Stage],
+    source: &TokenSource,
+    n: usize,
+) -> Result<f64, TrainError> {
     let mut sampler = Sampler::eval(cfg.training.data_seed);
     let mut wire = Boundary {
         spec: cfg.codecs.activations,
@@ -242,7 +254,10 @@ pub fn train_local(
             let mut grads = grads.unwrap_or_default();
             if micro_per_step > 1 {
                 let k = 1.0 / micro_per_step as f64;
-                grads = grads.iter().map(|g| g.affine(k, 0.0)).collect::<candle_core::Result<_>>()?;
+                grads = grads
+                    .iter()
+                    .map(|g| g.affine(k, 0.0))
+                    .collect::<candle_core::Result<_>>()?;
             }
             lr = opt.step(stage.params(), &grads)?.lr;
         }

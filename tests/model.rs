@@ -18,13 +18,20 @@ fn with_stages(mut cfg: RunConfig, s: usize) -> RunConfig {
 fn tokens(cfg: &RunConfig, b: usize, seed: u64, dev: &Device) -> (Tensor, Tensor) {
     let mut rng = shoal::rng::Rng::new(seed);
     let t = cfg.model.seq_len;
-    let v: Vec<u32> = (0..b * (t + 1)).map(|_| rng.below(cfg.model.vocab as u64) as u32).collect();
+    let v: Vec<u32> = (0..b * (t + 1))
+        .map(|_| rng.below(cfg.model.vocab as u64) as u32)
+        .collect();
     let all = Tensor::from_vec(v, (b, t + 1), dev).unwrap();
-    (all.narrow(1, 0, t).unwrap().contiguous().unwrap(), all.narrow(1, 1, t).unwrap().contiguous().unwrap())
+    (
+        all.narrow(1, 0, t).unwrap().contiguous().unwrap(),
+        all.narrow(1, 1, t).unwrap().contiguous().unwrap(),
+    )
 }
 
 fn build(cfg: &RunConfig, dtype: DType) -> Vec<Stage> {
-    (0..cfg.stages.count).map(|i| Stage::with_dtype(cfg, i, &Device::Cpu, dtype).unwrap()).collect()
+    (0..cfg.stages.count)
+        .map(|i| Stage::with_dtype(cfg, i, &Device::Cpu, dtype).unwrap())
+        .collect()
 }
 
 /// Forward through every stage, then backward from the loss; gradients by parameter name.
@@ -54,8 +61,25 @@ fn staged_grads(stages: &[Stage], x: &Tensor, y: &Tensor) -> (f32, HashMap<Strin
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let d = (a - b).unwrap().sqr().unwrap().sum_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
-    let n = a.sqr().unwrap().sum_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let d = (a - b)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let n = a
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
     (d / n.max(1e-300)).sqrt()
 }
 
@@ -73,7 +97,11 @@ fn split_logits_equal_unsplit() -> R {
             h = st.forward(&h)?;
         }
         assert_eq!(h.dims(), want.dims());
-        let diff = (&h - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let diff = (&h - &want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
         assert!(diff <= 1e-5, "S={s}: max abs diff {diff}");
     }
     Ok(())
@@ -144,7 +172,13 @@ fn finite_differences_match_staged_backward() -> R {
         let (si, pi) = stages
             .iter()
             .enumerate()
-            .find_map(|(si, s)| s.params().names().iter().position(|n| n == name).map(|pi| (si, pi)))
+            .find_map(|(si, s)| {
+                s.params()
+                    .names()
+                    .iter()
+                    .position(|n| n == name)
+                    .map(|pi| (si, pi))
+            })
             .expect(name);
         let var = stages[si].params().vars()[pi].clone();
         let orig = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
@@ -152,7 +186,8 @@ fn finite_differences_match_staged_backward() -> R {
         let eval = |delta: f64| {
             let mut v = orig.clone();
             v[idx] += delta;
-            var.set(&Tensor::from_vec(v, shape.as_slice(), &dev).unwrap()).unwrap();
+            var.set(&Tensor::from_vec(v, shape.as_slice(), &dev).unwrap())
+                .unwrap();
             loss_now(&stages)
         };
         let numeric = (eval(eps) - eval(-eps)) / (2.0 * eps);
@@ -175,7 +210,10 @@ fn every_parameter_receives_a_gradient() -> R {
     let (x, y) = tokens(&cfg, 2, 3, &Device::Cpu);
     let (loss, grads) = staged_grads(&stages, &x, &y);
     let expected = (cfg.model.vocab as f32).ln();
-    assert!((loss - expected).abs() < 0.1, "initial loss {loss} far from ln(vocab) {expected}");
+    assert!(
+        (loss - expected).abs() < 0.1,
+        "initial loss {loss} far from ln(vocab) {expected}"
+    );
     let total: usize = stages.iter().map(|s| s.params().len()).sum();
     assert_eq!(grads.len(), total);
     for (name, g) in grads {
@@ -206,7 +244,9 @@ fn checkpoint_round_trips_bit_identically() -> R {
     let mut opt = AdamW::new(&cfg.optimizer, cfg.training.steps, stage.params())?;
     let mut rng = shoal::rng::Rng::new(4);
     let h = Tensor::from_vec(
-        (0..2 * cfg.model.seq_len * cfg.model.d_model).map(|_| rng.normal() as f32).collect::<Vec<_>>(),
+        (0..2 * cfg.model.seq_len * cfg.model.d_model)
+            .map(|_| rng.normal() as f32)
+            .collect::<Vec<_>>(),
         (2, cfg.model.seq_len, cfg.model.d_model),
         &dev,
     )?;
@@ -230,7 +270,17 @@ fn checkpoint_round_trips_bit_identically() -> R {
     assert_eq!(step, 3);
     assert_eq!(fresh.params().hash()?, stage.params().hash()?);
     let bits = |ts: &[Tensor]| -> Vec<Vec<u32>> {
-        ts.iter().map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|f| f.to_bits()).collect()).collect()
+        ts.iter()
+            .map(|t| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|f| f.to_bits())
+                    .collect()
+            })
+            .collect()
     };
     assert_eq!(bits(opt.moments().0), bits(fresh_opt.moments().0));
     assert_eq!(bits(opt.moments().1), bits(fresh_opt.moments().1));

@@ -4,7 +4,10 @@
 use proptest::prelude::*;
 use shoal::wire::{self, CodecSpec, Limits, Quant, TensorData, WireError};
 
-fn shape_and_values(max_elems: usize, values: impl Strategy<Value = f32> + Clone) -> impl Strategy<Value = (Vec<usize>, Vec<f32>)> {
+fn shape_and_values(
+    max_elems: usize,
+    values: impl Strategy<Value = f32> + Clone,
+) -> impl Strategy<Value = (Vec<usize>, Vec<f32>)> {
     prop::collection::vec(1usize..6, 0..4).prop_flat_map(move |mut shape| {
         let n: usize = shape.iter().product();
         if n > max_elems {
@@ -128,7 +131,10 @@ fn truncated_frames() {
     let f = frame_of("int8", 100);
     for cut in [0, 3, 15, 20, f.len() - 1] {
         let e = wire::decode(&f[..cut], &Limits::default()).unwrap_err();
-        assert!(matches!(e, WireError::Truncated { .. }), "cut at {cut}: {e:?}");
+        assert!(
+            matches!(e, WireError::Truncated { .. }),
+            "cut at {cut}: {e:?}"
+        );
     }
 }
 
@@ -146,10 +152,36 @@ fn corrupted_payload_fails_the_checksum() {
 #[test]
 fn oversized_frames_are_refused_before_allocating() {
     let f = frame_of("f32", 1000);
-    let e = wire::decode(&f, &Limits { max_elements: 999, max_bytes: 1 << 20 }).unwrap_err();
-    assert!(matches!(e, WireError::TooManyElements { elements: 1000, limit: 999 }), "{e:?}");
-    let e = wire::decode(&f, &Limits { max_elements: 1 << 20, max_bytes: 3999 }).unwrap_err();
-    assert!(matches!(e, WireError::TooLarge { bytes: 4000, .. }), "{e:?}");
+    let e = wire::decode(
+        &f,
+        &Limits {
+            max_elements: 999,
+            max_bytes: 1 << 20,
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WireError::TooManyElements {
+                elements: 1000,
+                limit: 999
+            }
+        ),
+        "{e:?}"
+    );
+    let e = wire::decode(
+        &f,
+        &Limits {
+            max_elements: 1 << 20,
+            max_bytes: 3999,
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, WireError::TooLarge { bytes: 4000, .. }),
+        "{e:?}"
+    );
     // A header that claims 2^62 elements with no payload behind it is refused by the limit,
     // not by trying to allocate.
     let mut g = f.clone();
@@ -163,19 +195,34 @@ fn unknown_version_codec_dtype_and_bad_magic() {
     let f = frame_of("f32", 10);
     let mut g = f.clone();
     g[4] = 9;
-    assert_eq!(wire::decode(&g, &Limits::default()).unwrap_err(), WireError::UnsupportedVersion(9));
+    assert_eq!(
+        wire::decode(&g, &Limits::default()).unwrap_err(),
+        WireError::UnsupportedVersion(9)
+    );
     let mut g = f.clone();
     g[6] = 7;
-    assert_eq!(wire::decode(&g, &Limits::default()).unwrap_err(), WireError::UnknownCodec(7));
+    assert_eq!(
+        wire::decode(&g, &Limits::default()).unwrap_err(),
+        WireError::UnknownCodec(7)
+    );
     let mut g = f.clone();
     g[5] = 5;
-    assert_eq!(wire::decode(&g, &Limits::default()).unwrap_err(), WireError::UnknownDtype(5));
+    assert_eq!(
+        wire::decode(&g, &Limits::default()).unwrap_err(),
+        WireError::UnknownDtype(5)
+    );
     let mut g = f.clone();
     g[0] = b'X';
-    assert_eq!(wire::decode(&g, &Limits::default()).unwrap_err(), WireError::BadMagic);
+    assert_eq!(
+        wire::decode(&g, &Limits::default()).unwrap_err(),
+        WireError::BadMagic
+    );
     let mut g = f.clone();
     g[8] = 9;
-    assert_eq!(wire::decode(&g, &Limits::default()).unwrap_err(), WireError::RankTooLarge(9));
+    assert_eq!(
+        wire::decode(&g, &Limits::default()).unwrap_err(),
+        WireError::RankTooLarge(9)
+    );
 }
 
 #[test]
@@ -183,19 +230,31 @@ fn shape_that_disagrees_with_the_payload() {
     let mut f = frame_of("f32", 10);
     f[16..24].copy_from_slice(&11u64.to_le_bytes());
     let e = wire::decode(&f, &Limits::default()).unwrap_err();
-    assert_eq!(e, WireError::LengthMismatch { expected: 44, got: 40 });
+    assert_eq!(
+        e,
+        WireError::LengthMismatch {
+            expected: 44,
+            got: 40
+        }
+    );
     // With zstd the mismatch shows after decompression.
     let mut f = frame_of("int8+zstd1", 128);
     f[16..24].copy_from_slice(&100u64.to_le_bytes());
     let e = wire::decode(&f, &Limits::default()).unwrap_err();
-    assert!(matches!(e, WireError::Zstd(_) | WireError::LengthMismatch { .. }), "{e:?}");
+    assert!(
+        matches!(e, WireError::Zstd(_) | WireError::LengthMismatch { .. }),
+        "{e:?}"
+    );
 }
 
 #[test]
 fn trailing_bytes_and_encoder_misuse() {
     let mut f = frame_of("bf16", 10);
     f.push(0);
-    assert_eq!(wire::decode(&f, &Limits::default()).unwrap_err(), WireError::TrailingBytes(1));
+    assert_eq!(
+        wire::decode(&f, &Limits::default()).unwrap_err(),
+        WireError::TrailingBytes(1)
+    );
     let mut out = Vec::new();
     let e = wire::encode_f32(&[3, 3], &[0.0; 8], &CodecSpec::F32, &mut out).unwrap_err();
     assert!(matches!(e, WireError::BadInput(_)));

@@ -34,7 +34,9 @@ impl MarkovSource {
             }
             all[..k].to_vec()
         };
-        let pools: Vec<Vec<u32>> = (0..vocab).map(|_| shuffled_prefix(&mut rng, pool)).collect();
+        let pools: Vec<Vec<u32>> = (0..vocab)
+            .map(|_| shuffled_prefix(&mut rng, pool))
+            .collect();
         let mut next = Vec::with_capacity(vocab * vocab);
         for ctx in 0..vocab * vocab {
             let mut pool = pools[ctx % vocab].clone();
@@ -57,7 +59,13 @@ impl MarkovSource {
         }
         let stationary = Self::stationary_of(vocab, &next);
         let mut acc = 0.0;
-        let stationary_cum = stationary.iter().map(|p| { acc += p; acc }).collect();
+        let stationary_cum = stationary
+            .iter()
+            .map(|p| {
+                acc += p;
+                acc
+            })
+            .collect();
         Self {
             vocab,
             next,
@@ -111,7 +119,11 @@ impl MarkovSource {
         self.next
             .iter()
             .zip(&self.stationary)
-            .map(|(row, &pi)| pi * -Self::probs(row).map(|(_, p)| if p > 0.0 { p * p.ln() } else { 0.0 }).sum::<f64>())
+            .map(|(row, &pi)| {
+                pi * -Self::probs(row)
+                    .map(|(_, p)| if p > 0.0 { p * p.ln() } else { 0.0 })
+                    .sum::<f64>()
+            })
             .sum()
     }
 
@@ -123,7 +135,9 @@ impl MarkovSource {
             -ps.filter(|&p| p > 0.0).map(|p| p * p.ln()).sum::<f64>()
         };
         let h_pair = h(&mut self.stationary.iter().copied());
-        let marg: Vec<f64> = (0..v).map(|a| self.stationary[a * v..(a + 1) * v].iter().sum()).collect();
+        let marg: Vec<f64> = (0..v)
+            .map(|a| self.stationary[a * v..(a + 1) * v].iter().sum())
+            .collect();
         let h_first = h_pair - h(&mut marg.into_iter());
         let t = seq_len.max(1) as f64;
         (h_first + (t - 1.0) * self.entropy_rate()) / t
@@ -179,10 +193,17 @@ mod tests {
         let mut nll = 0.0;
         for w in seq.windows(3) {
             let row = &m.next[w[0] as usize * 16 + w[1] as usize];
-            let p = MarkovSource::probs(row).find(|&(t, _)| t == w[2]).map(|(_, p)| p).expect("seen");
+            let p = MarkovSource::probs(row)
+                .find(|&(t, _)| t == w[2])
+                .map(|(_, p)| p)
+                .expect("seen");
             nll -= p.ln();
         }
         let emp = nll / (seq.len() - 2) as f64;
-        assert!((emp - m.entropy_rate()).abs() < 0.01, "empirical {emp} vs {}", m.entropy_rate());
+        assert!(
+            (emp - m.entropy_rate()).abs() < 0.01,
+            "empirical {emp} vs {}",
+            m.entropy_rate()
+        );
     }
 }

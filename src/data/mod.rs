@@ -101,13 +101,20 @@ impl TokenSource {
         let vocab = cfg.model.vocab;
         let need = cfg.model.seq_len + 1;
         let (origin, tokens) = match &cfg.data {
-            DataConfig::Markov { seed, branching, .. } => {
+            DataConfig::Markov {
+                seed, branching, ..
+            } => {
                 let pool = cfg.data.markov_pool(vocab).unwrap_or(vocab);
-                return Ok(Self::Markov(MarkovSource::new(vocab, *branching, pool, *seed)));
+                return Ok(Self::Markov(MarkovSource::new(
+                    vocab, *branching, pool, *seed,
+                )));
             }
             DataConfig::Text { path } => {
                 let bytes = read(path)?;
-                (path.clone(), bytes.into_iter().map(u32::from).collect::<Vec<_>>())
+                (
+                    path.clone(),
+                    bytes.into_iter().map(u32::from).collect::<Vec<_>>(),
+                )
             }
             DataConfig::Shards { path } => {
                 let mut tokens = Vec::new();
@@ -116,7 +123,11 @@ impl TokenSource {
                     if bytes.len() % 2 != 0 {
                         return Err(DataError::OddShard(file));
                     }
-                    tokens.extend(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32));
+                    tokens.extend(
+                        bytes
+                            .chunks_exact(2)
+                            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32),
+                    );
                 }
                 (path.clone(), tokens)
             }

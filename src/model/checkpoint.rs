@@ -41,9 +41,19 @@ impl View for Raw {
 fn raw(t: &Tensor) -> Result<Raw, ModelError> {
     let flat = t.flatten_all()?;
     let (dtype, data) = match t.dtype() {
-        DType::F32 => (StDtype::F32, bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec()),
-        DType::F64 => (StDtype::F64, bytemuck::cast_slice(&flat.to_vec1::<f64>()?).to_vec()),
-        other => return Err(ModelError::Checkpoint(format!("cannot store dtype {other:?}"))),
+        DType::F32 => (
+            StDtype::F32,
+            bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
+        ),
+        DType::F64 => (
+            StDtype::F64,
+            bytemuck::cast_slice(&flat.to_vec1::<f64>()?).to_vec(),
+        ),
+        other => {
+            return Err(ModelError::Checkpoint(format!(
+                "cannot store dtype {other:?}"
+            )))
+        }
     };
     Ok(Raw {
         dtype,
@@ -54,8 +64,14 @@ fn raw(t: &Tensor) -> Result<Raw, ModelError> {
 
 /// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
@@ -80,7 +96,10 @@ pub fn save(stage: &Stage, opt: &AdamW, path: &Path) -> Result<(), ModelError> {
     let (m, v) = opt.moments();
     let mut tensors = Vec::with_capacity(3 * names.len());
     for (i, name) in names.iter().enumerate() {
-        tensors.push((format!("param/{name}"), raw(stage.params().vars()[i].as_tensor())?));
+        tensors.push((
+            format!("param/{name}"),
+            raw(stage.params().vars()[i].as_tensor())?,
+        ));
         tensors.push((format!("adam.m/{name}"), raw(&m[i])?));
         tensors.push((format!("adam.v/{name}"), raw(&v[i])?));
     }
@@ -91,7 +110,8 @@ pub fn save(stage: &Stage, opt: &AdamW, path: &Path) -> Result<(), ModelError> {
     ]);
     let bytes = safetensors::serialize(tensors, Some(meta))
         .map_err(|e| ModelError::Checkpoint(e.to_string()))?;
-    write_atomic(path, &bytes).map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+    write_atomic(path, &bytes)
+        .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
 }
 
 /// Loads a checkpoint written by [`save`] into `stage` and `opt`; returns the step.
@@ -104,7 +124,11 @@ pub fn load(stage: &Stage, opt: &mut AdamW, path: &Path) -> Result<u64, ModelErr
         return Err(bad("not a shoal stage checkpoint".into()));
     }
     if info.get("stage") != Some(&stage.index().to_string()) {
-        return Err(bad(format!("holds stage {:?}, not {}", info.get("stage"), stage.index())));
+        return Err(bad(format!(
+            "holds stage {:?}, not {}",
+            info.get("stage"),
+            stage.index()
+        )));
     }
     let step: u64 = info
         .get("step")
@@ -112,21 +136,33 @@ pub fn load(stage: &Stage, opt: &mut AdamW, path: &Path) -> Result<u64, ModelErr
         .ok_or_else(|| bad("missing step".into()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     let get = |key: String, like: &Tensor| -> Result<Tensor, ModelError> {
-        let view = st.tensor(&key).map_err(|_| bad(format!("missing tensor {key}")))?;
+        let view = st
+            .tensor(&key)
+            .map_err(|_| bad(format!("missing tensor {key}")))?;
         if view.shape() != like.dims() {
-            return Err(bad(format!("{key} has shape {:?}, want {:?}", view.shape(), like.dims())));
+            return Err(bad(format!(
+                "{key} has shape {:?}, want {:?}",
+                view.shape(),
+                like.dims()
+            )));
         }
         let dtype = match view.dtype() {
             StDtype::F32 => DType::F32,
             StDtype::F64 => DType::F64,
             other => return Err(bad(format!("{key} has dtype {other:?}"))),
         };
-        Ok(Tensor::from_raw_buffer(view.data(), dtype, view.shape(), like.device())?.to_dtype(like.dtype())?)
+        Ok(
+            Tensor::from_raw_buffer(view.data(), dtype, view.shape(), like.device())?
+                .to_dtype(like.dtype())?,
+        )
     };
     let (m0, v0) = opt.moments();
     let (mut m, mut v, mut p) = (Vec::new(), Vec::new(), Vec::new());
     for (i, name) in stage.params().names().iter().enumerate() {
-        p.push(get(format!("param/{name}"), stage.params().vars()[i].as_tensor())?);
+        p.push(get(
+            format!("param/{name}"),
+            stage.params().vars()[i].as_tensor(),
+        )?);
         m.push(get(format!("adam.m/{name}"), &m0[i])?);
         v.push(get(format!("adam.v/{name}"), &v0[i])?);
     }

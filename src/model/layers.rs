@@ -9,23 +9,31 @@ use crate::config::ModelConfig;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Linear;
 
-/// Builds parameters under a name prefix.
+/// Builds layers whose parameters go into a [`ParamSet`].
 pub(crate) struct Builder<'a> {
     pub params: &'a mut ParamSet,
-    pub seed: u64,
-    pub device: &'a Device,
-    pub dtype: DType,
 }
 
 impl Builder<'_> {
     fn param(&mut self, name: &str, shape: &[usize], init: Init, decay: bool) -> Result<Tensor> {
-        self.params
-            .add(self.seed, name, shape, init, decay, self.device, self.dtype)
+        self.params.add(name, shape, init, decay)
     }
 
     /// A linear layer `in → out` with weight N(0, std²) and an optional zero bias.
-    pub fn linear(&mut self, name: &str, inp: usize, out: usize, std: f64, bias: bool) -> Result<Linear> {
-        let w = self.param(&format!("{name}.weight"), &[out, inp], Init::Normal(std), true)?;
+    pub fn linear(
+        &mut self,
+        name: &str,
+        inp: usize,
+        out: usize,
+        std: f64,
+        bias: bool,
+    ) -> Result<Linear> {
+        let w = self.param(
+            &format!("{name}.weight"),
+            &[out, inp],
+            Init::Normal(std),
+            true,
+        )?;
         let b = if bias {
             Some(self.param(&format!("{name}.bias"), &[out], Init::Zeros, false)?)
         } else {
@@ -121,7 +129,13 @@ impl Block {
             },
             ln2: b.layer_norm(&format!("{p}.ln2"), d)?,
             fc: b.linear(&format!("{p}.mlp.fc"), d, cfg.mlp_ratio * d, std, true)?,
-            proj: b.linear(&format!("{p}.mlp.proj"), cfg.mlp_ratio * d, d, proj_std, true)?,
+            proj: b.linear(
+                &format!("{p}.mlp.proj"),
+                cfg.mlp_ratio * d,
+                d,
+                proj_std,
+                true,
+            )?,
         })
     }
 

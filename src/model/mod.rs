@@ -33,13 +33,19 @@ pub enum ModelError {
 
 /// Every stage of a run, built in order.
 pub fn build_stages(cfg: &RunConfig, device: &Device) -> Result<Vec<Stage>, ModelError> {
-    (0..cfg.stages.count).map(|i| Stage::new(cfg, i, device)).collect()
+    (0..cfg.stages.count)
+        .map(|i| Stage::new(cfg, i, device))
+        .collect()
 }
 
 /// Parses `cpu`, `cuda[:N]` or `metal[:N]` into a candle device.
 pub fn parse_device(name: &str) -> Result<Device, String> {
     let (kind, ordinal) = match name.split_once(':') {
-        Some((k, n)) => (k, n.parse::<usize>().map_err(|_| format!("bad device ordinal in '{name}'"))?),
+        Some((k, n)) => (
+            k,
+            n.parse::<usize>()
+                .map_err(|_| format!("bad device ordinal in '{name}'"))?,
+        ),
         None => (name, 0),
     };
     match kind {
@@ -53,6 +59,8 @@ pub fn parse_device(name: &str) -> Result<Device, String> {
         "cuda" | "metal" => Err(format!(
             "device '{name}' needs a build with `--features {kind}`; this build has CPU only"
         )),
-        _ => Err(format!("unknown device '{name}': expected cpu, cuda:N or metal")),
+        _ => Err(format!(
+            "unknown device '{name}': expected cpu, cuda:N or metal"
+        )),
     }
 }

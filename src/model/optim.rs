@@ -59,7 +59,11 @@ pub fn global_norm(tensors: &[Tensor]) -> Result<f64, ModelError> {
 
 impl AdamW {
     /// Zeroed moments for `params`; the schedule ends at `total_steps`.
-    pub fn new(cfg: &OptimizerConfig, total_steps: u64, params: &ParamSet) -> Result<Self, ModelError> {
+    pub fn new(
+        cfg: &OptimizerConfig,
+        total_steps: u64,
+        params: &ParamSet,
+    ) -> Result<Self, ModelError> {
         let zeros = || {
             params
                 .vars()
@@ -92,7 +96,9 @@ impl AdamW {
             a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.dims() == y.dims())
         };
         if !same(&m, &self.m) || !same(&v, &self.v) {
-            return Err(ModelError::BadInput("optimizer state does not match the parameters".into()));
+            return Err(ModelError::BadInput(
+                "optimizer state does not match the parameters".into(),
+            ));
         }
         self.step = step;
         self.m = m;
@@ -122,12 +128,20 @@ impl AdamW {
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2 = 1.0 - c.beta2.powi(t);
         for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
-            let g = if scale < 1.0 { g.affine(scale, 0.0)? } else { g.clone() };
+            let g = if scale < 1.0 {
+                g.affine(scale, 0.0)?
+            } else {
+                g.clone()
+            };
             let m = (self.m[i].affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
             let v = (self.v[i].affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
             let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, c.eps)?;
             let update = m.affine(1.0 / bc1, 0.0)?.div(&denom)?;
-            let wd = if params.decay()[i] { c.weight_decay } else { 0.0 };
+            let wd = if params.decay()[i] {
+                c.weight_decay
+            } else {
+                0.0
+            };
             let p = var.as_tensor().affine(1.0 - lr * wd, 0.0)?;
             var.set(&(p - update.affine(lr, 0.0)?)?)?;
             self.m[i] = m;
@@ -169,8 +183,8 @@ mod tests {
         c.weight_decay = 0.0;
         c.grad_clip = 1.0;
         let dev = candle_core::Device::Cpu;
-        let mut params = ParamSet::new();
-        let p = params.add(1, "w", &[3], super::super::params::Init::Zeros, false, &dev, DType::F32)?;
+        let mut params = ParamSet::new(1, &dev, DType::F32);
+        let p = params.add("w", &[3], super::super::params::Init::Zeros, false)?;
         let mut opt = AdamW::new(&c, 100, &params)?;
         let g = Tensor::new(&[3.0f32, -4.0, 0.0], &dev)?;
         let stats = opt.step(&params, &[g])?;

@@ -21,14 +21,21 @@ pub enum Init {
 /// The parameters of one stage, in a fixed order (the order they were declared in).
 #[derive(Debug, Clone)]
 pub struct ParamSet {
+    seed: u64,
+    device: Device,
+    dtype: DType,
     names: Vec<String>,
     vars: Vec<Var>,
     decay: Vec<bool>,
 }
 
 impl ParamSet {
-    pub(crate) fn new() -> Self {
+    /// An empty set whose parameters will be initialised from `seed` on `device` in `dtype`.
+    pub(crate) fn new(seed: u64, device: &Device, dtype: DType) -> Self {
         Self {
+            seed,
+            device: device.clone(),
+            dtype,
             names: Vec::new(),
             vars: Vec::new(),
             decay: Vec::new(),
@@ -39,25 +46,22 @@ impl ParamSet {
     /// variable, so layers built from it see optimizer updates).
     pub(crate) fn add(
         &mut self,
-        seed: u64,
         name: &str,
         shape: &[usize],
         init: Init,
         decay: bool,
-        device: &Device,
-        dtype: DType,
     ) -> candle_core::Result<Tensor> {
         let n: usize = shape.iter().product();
         let values: Vec<f64> = match init {
             Init::Normal(std) => {
-                let mut rng = Rng::new(derive_seed(seed, name));
+                let mut rng = Rng::new(derive_seed(self.seed, name));
                 (0..n).map(|_| rng.normal() * std).collect()
             }
             Init::Zeros => vec![0.0; n],
             Init::Ones => vec![1.0; n],
         };
         // Generated as f64 and rounded once, so f32 and f64 models start from the same point.
-        let t = Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?;
+        let t = Tensor::from_vec(values, shape, &self.device)?.to_dtype(self.dtype)?;
         let var = Var::from_tensor(&t)?;
         let tensor = var.as_tensor().clone();
         self.names.push(name.to_string());

@@ -87,12 +87,9 @@ impl Stage {
             ModelError::BadInput(format!("stage {index} of a {}-stage run", ranges.len()))
         })?;
         let m = cfg.model.clone();
-        let mut params = ParamSet::new();
+        let mut params = ParamSet::new(m.seed, device, dtype);
         let mut b = Builder {
             params: &mut params,
-            seed: m.seed,
-            device,
-            dtype,
         };
         let embed = if index == 0 {
             Some(Embed {
@@ -266,11 +263,18 @@ impl Stage {
         }
         let (b, t, v) = logits.dims3()?;
         let flat = logits.reshape((b * t, v))?;
-        Ok(candle_nn::loss::cross_entropy(&flat, &targets.flatten_all()?)?)
+        Ok(candle_nn::loss::cross_entropy(
+            &flat,
+            &targets.flatten_all()?,
+        )?)
     }
 
     /// Recomputes the forward from `input` and back-propagates `upstream` through it.
-    pub fn backward(&self, input: &Tensor, upstream: Upstream<'_>) -> Result<StageGrads, ModelError> {
+    pub fn backward(
+        &self,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+    ) -> Result<StageGrads, ModelError> {
         self.check_input(input)?;
         let input_var = if self.is_first() {
             None
