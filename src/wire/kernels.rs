@@ -353,7 +353,9 @@ mod tests {
         let mut q = [0u8; 4];
         quantize_block(&xs, s, &mut q);
         assert!(q.iter().all(|&c| (c as i8) >= -127));
-        assert_eq!(q[0] as i8, 127);
+        // The scale is rounded up by less than one bf16 ulp (2^-7), so the absmax lands on
+        // 126 or 127, never beyond.
+        assert!(matches!(q[0] as i8, 126 | 127), "absmax coded as {}", q[0] as i8);
     }
 
     #[test]
