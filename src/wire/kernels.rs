@@ -355,7 +355,11 @@ mod tests {
         assert!(q.iter().all(|&c| (c as i8) >= -127));
         // The scale is rounded up by less than one bf16 ulp (2^-7), so the absmax lands on
         // 126 or 127, never beyond.
-        assert!(matches!(q[0] as i8, 126 | 127), "absmax coded as {}", q[0] as i8);
+        assert!(
+            matches!(q[0] as i8, 126 | 127),
+            "absmax coded as {}",
+            q[0] as i8
+        );
     }
 
     #[test]
