@@ -127,6 +127,16 @@ struct Boundary {
 }
 
 impl Boundary {
+    fn new(spec: CodecSpec) -> Self {
+        Self {
+            spec,
+            frame: Vec::new(),
+            values: Vec::new(),
+            raw_bytes: 0,
+            wire_bytes: 0,
+        }
+    }
+
     fn cross(&mut self, t: &Tensor) -> Result<Tensor, TrainError> {
         let shape = t.dims().to_vec();
         let data = t.flatten_all()?.to_vec1::<f32>()?;
@@ -169,13 +179,7 @@ pub fn evaluate(
     n: usize,
 ) -> Result<f64, TrainError> {
     let mut sampler = Sampler::eval(cfg.training.data_seed);
-    let mut wire = Boundary {
-        spec: cfg.codecs.activations,
-        frame: Vec::new(),
-        values: Vec::new(),
-        raw_bytes: 0,
-        wire_bytes: 0,
-    };
+    let mut wire = Boundary::new(cfg.codecs.activations);
     let device = stages[0].device().clone();
     let mut total = 0.0;
     for _ in 0..n {
@@ -203,13 +207,7 @@ pub fn train_local(
         .map(|s| AdamW::new(&cfg.optimizer, total_steps, s.params()))
         .collect::<Result<Vec<_>, _>>()?;
     let mut sampler = Sampler::new(cfg.training.data_seed, 0);
-    let mut wire = Boundary {
-        spec: cfg.codecs.activations,
-        frame: Vec::new(),
-        values: Vec::new(),
-        raw_bytes: 0,
-        wire_bytes: 0,
-    };
+    let mut wire = Boundary::new(cfg.codecs.activations);
     let (batch, seq) = (cfg.training.batch_size, cfg.model.seq_len);
     let micro_per_step = cfg.target_batch_size().div_ceil(batch);
     let start = Instant::now();

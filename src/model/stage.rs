@@ -176,13 +176,7 @@ impl Stage {
                     input.dtype()
                 )));
             }
-            let max = input.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-            if max as usize >= self.cfg.vocab {
-                return Err(ModelError::BadInput(format!(
-                    "token id {max} is outside the vocab of {}",
-                    self.cfg.vocab
-                )));
-            }
+            self.check_ids(input, "token")?;
         } else {
             let ok = input.dtype() == self.dtype
                 && dims.len() == 3
@@ -203,6 +197,18 @@ impl Stage {
         Ok(())
     }
 
+    /// Every id in a u32 tensor is below the vocab size.
+    fn check_ids(&self, ids: &Tensor, what: &str) -> Result<(), ModelError> {
+        let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.cfg.vocab {
+            return Err(ModelError::BadInput(format!(
+                "{what} id {max} is outside the vocab of {}",
+                self.cfg.vocab
+            )));
+        }
+        Ok(())
+    }
+
     fn check_targets(&self, input: &Tensor, targets: &Tensor) -> Result<(), ModelError> {
         let want = &input.dims()[..2];
         if targets.dtype() != DType::U32 || targets.dims() != want {
@@ -212,14 +218,7 @@ impl Stage {
                 targets.dims()
             )));
         }
-        let max = targets.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-        if max as usize >= self.cfg.vocab {
-            return Err(ModelError::BadInput(format!(
-                "target id {max} is outside the vocab of {}",
-                self.cfg.vocab
-            )));
-        }
-        Ok(())
+        self.check_ids(targets, "target")
     }
 
     fn run(&self, input: &Tensor) -> candle_core::Result<Tensor> {
