@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use shoal::config::RunConfig;
+use shoal::model::optim::global_norm;
 use shoal::model::{checkpoint, AdamW, Stage, Upstream};
 use std::collections::HashMap;
 
@@ -61,26 +62,9 @@ fn staged_grads(stages: &[Stage], x: &Tensor, y: &Tensor) -> (f32, HashMap<Strin
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let d = (a - b)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let n = a
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    (d / n.max(1e-300)).sqrt()
+    let d = global_norm(&[(a - b).unwrap()]).unwrap();
+    let n = global_norm(std::slice::from_ref(a)).unwrap();
+    d / n.max(1e-300)
 }
 
 #[test]
