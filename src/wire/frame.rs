@@ -498,12 +498,8 @@ pub fn encode_u32(
     let start = push_header(out, DType::U32, &spec, shape);
     let bytes: &[u8] = bytemuck::cast_slice(data);
     out.extend_from_slice(bytes);
-    let hash = Xxh3::new();
-    let checksum = xxhash_rust::xxh3::xxh3_64(bytes);
-    if zstd_level == 0 {
-        patch_header(out, start, shape.len(), checksum);
-        return Ok(out.len() - start);
-    }
+    let mut hash = Xxh3::new();
+    hash.update(bytes);
     finish(out, start, shape.len(), zstd_level, hash)
 }
 
