@@ -280,3 +280,35 @@ fn decode_into_reuses_and_checks_dtype() {
     let e = wire::decode_f32_into(&t, &Limits::default(), &mut out).unwrap_err();
     assert!(matches!(e, WireError::WrongDtype { .. }));
 }
+
+#[test]
+fn large_frames_decode_the_same_way_small_ones_do() {
+    // 2.5 Mi values (10 MiB of f32) crosses the size where decoding switches to streaming
+    // stores; the result must be what the codec promises all the same.
+    let n = 5 << 19;
+    let data = shoal::bench::codec::normal_data(n, 3);
+    let limits = Limits::default();
+    for name in ["f16", "bf16", "int8"] {
+        let spec: CodecSpec = name.parse().expect("codec");
+        let mut frame = Vec::new();
+        wire::encode_f32(&[n], &data, &spec, &mut frame).expect("encode");
+        let mut out = Vec::new();
+        wire::decode_f32_into(&frame, &limits, &mut out).expect("decode");
+        assert_eq!(out.len(), n);
+        if spec.quant == Quant::Int8 {
+            for (xb, yb) in data.chunks(64).zip(out.chunks(64)) {
+                let absmax = xb.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let half_step = absmax / 127.0 * (1.0 + 2f32.powi(-7)) * 0.5 * 1.0001;
+                assert!(xb.iter().zip(yb).all(|(x, y)| (x - y).abs() <= half_step));
+            }
+        } else {
+            // f16 and bf16 are idempotent: re-encoding the decoded values gives the same frame.
+            let mut again = Vec::new();
+            wire::encode_f32(&[n], &out, &spec, &mut again).expect("encode");
+            assert!(again == frame, "{name}: decode of a large frame differs");
+        }
+        // Decoding into a freshly allocated buffer agrees too.
+        let t = wire::decode(&frame, &limits).expect("decode");
+        assert_eq!(t.data, TensorData::F32(out));
+    }
+}

@@ -401,6 +401,12 @@ fn read_u16s<R>(bytes: &[u8], f: impl FnOnce(&[u16]) -> R) -> R {
 /// written to memory once and hashed while it is still in cache.
 const CHUNK: usize = 4096;
 
+/// Decoded outputs at least this large are written with streaming (non-temporal) stores:
+/// they exceed the caches anyway, and ordinary stores would read every line from memory
+/// only to overwrite it. Smaller outputs, such as activations about to be consumed, stay
+/// in cache.
+const STREAM_MIN_BYTES: usize = 8 << 20;
+
 /// Appends the element encoding of `data` (no zstd) to `out`, hashing what it appends.
 /// int8 payloads hold the codes first, then the bf16 scales.
 fn push_payload_f32(out: &mut Vec<u8>, data: &[f32], spec: &CodecSpec, hash: &mut Xxh3) {
@@ -613,15 +619,28 @@ fn decode_payload_f32(spec: &CodecSpec, payload: &[u8], out: &mut [f32], v: &mut
             }
         }
         Quant::F16 | Quant::Bf16 => {
-            for (o, src) in out.chunks_mut(CHUNK).zip(payload.chunks(2 * CHUNK)) {
+            let f16 = spec.quant == Quant::F16;
+            // Large outputs go out with streaming stores from the first 32-byte boundary on.
+            let stream = out.len() * 4 >= STREAM_MIN_BYTES;
+            let head = if stream {
+                out.as_ptr().align_offset(32).min(out.len())
+            } else {
+                0
+            };
+            let (out_head, out_rest) = out.split_at_mut(head);
+            let (pay_head, pay_rest) = payload.split_at(2 * head);
+            let mut convert = |o: &mut [f32], src: &[u8], streaming: bool| {
                 v.feed(src);
-                read_u16s(src, |s| {
-                    if spec.quant == Quant::F16 {
-                        kernels::f16_decode(s, o)
-                    } else {
-                        kernels::bf16_decode(s, o)
-                    }
+                read_u16s(src, |s| match (f16, streaming) {
+                    (true, false) => kernels::f16_decode(s, o),
+                    (true, true) => kernels::f16_decode_streaming(s, o),
+                    (false, false) => kernels::bf16_decode(s, o),
+                    (false, true) => kernels::bf16_decode_streaming(s, o),
                 });
+            };
+            convert(out_head, pay_head, false);
+            for (o, src) in out_rest.chunks_mut(CHUNK).zip(pay_rest.chunks(2 * CHUNK)) {
+                convert(o, src, stream);
             }
         }
         Quant::Int8 => {
@@ -629,6 +648,7 @@ fn decode_payload_f32(spec: &CodecSpec, payload: &[u8], out: &mut [f32], v: &mut
             let n = out.len();
             let (codes, scales) = payload.split_at(n);
             let per = (CHUNK / block).max(1) * block;
+            let stream = n * 4 >= STREAM_MIN_BYTES;
             read_u16s(scales, |scales| {
                 for ((o, c), s) in out
                     .chunks_mut(per)
@@ -636,7 +656,11 @@ fn decode_payload_f32(spec: &CodecSpec, payload: &[u8], out: &mut [f32], v: &mut
                     .zip(scales.chunks(per / block))
                 {
                     v.feed(c);
-                    kernels::int8_decode(s, c, block, o);
+                    if stream {
+                        kernels::int8_decode_streaming(s, c, block, o);
+                    } else {
+                        kernels::int8_decode(s, c, block, o);
+                    }
                 }
             });
             v.feed(scales);

@@ -247,6 +247,49 @@ pub fn f16_decode(src: &[u16], dst: &mut [f32]) {
         .convert_to_f32_slice(dst);
 }
 
+/// [`f16_decode`] for large outputs that will not be read again soon: when `dst` is 32-byte
+/// aligned and the CPU has F16C, the stores bypass the cache (non-temporal), so memory is
+/// not read just to be overwritten. Otherwise the same as [`f16_decode`].
+pub fn f16_decode_streaming(src: &[u16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if (dst.as_ptr() as usize) % 32 == 0
+        && std::arch::is_x86_feature_detected!("f16c")
+        && std::arch::is_x86_feature_detected!("avx")
+    {
+        // SAFETY: the CPU supports F16C and AVX, and `dst` is 32-byte aligned, as the
+        // streaming stores need; both checked just above.
+        return unsafe { x86::f16_decode_stream(src, dst) };
+    }
+    f16_decode(src, dst)
+}
+
+/// [`bf16_decode`] with non-temporal stores when `dst` is 32-byte aligned and the CPU has
+/// AVX2; see [`f16_decode_streaming`].
+pub fn bf16_decode_streaming(src: &[u16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if (dst.as_ptr() as usize) % 32 == 0 && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 and `dst` is 32-byte aligned; checked just above.
+        return unsafe { x86::bf16_decode_stream(src, dst) };
+    }
+    bf16_decode(src, dst)
+}
+
+/// [`int8_decode`] with non-temporal stores, for large outputs: used when `dst` is 32-byte
+/// aligned, `block` is a multiple of 8 and the CPU has AVX2; otherwise the same as
+/// [`int8_decode`].
+pub fn int8_decode_streaming(scales: &[u16], codes: &[u8], block: usize, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if (dst.as_ptr() as usize) % 32 == 0
+        && block % 8 == 0
+        && std::arch::is_x86_feature_detected!("avx2")
+    {
+        // SAFETY: AVX2 is present, `dst` is 32-byte aligned and `block` a multiple of 8, so
+        // every 8-value group of every block is 32-byte aligned; checked just above.
+        return unsafe { x86::int8_decode_stream(scales, codes, block, dst) };
+    }
+    int8_decode(scales, codes, block, dst)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     //! F16C conversions, eight values per instruction. `half` converts slices four at a
@@ -327,6 +370,82 @@ mod x86 {
         for (s, d) in src[full..n].iter().zip(&mut dst[full..n]) {
             *d = half::f16::from_bits(*s).to_f32();
         }
+    }
+
+    /// f16 → f32 with streaming stores. Safety: `dst` must be 32-byte aligned.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn f16_decode_stream(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let full = n / 8 * 8;
+        for (s, d) in src[..full]
+            .chunks_exact(8)
+            .zip(dst[..full].chunks_exact_mut(8))
+        {
+            // SAFETY: `s` holds 16 bytes (unaligned load); `d` holds 32 bytes and is 32-byte
+            // aligned, because `dst` is (the caller's contract) and every chunk is 32 bytes.
+            unsafe {
+                let h = _mm_loadu_si128(s.as_ptr().cast::<__m128i>());
+                _mm256_stream_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+            }
+        }
+        // Order the streaming stores before anything that follows.
+        _mm_sfence();
+        f16_decode_f16c(&src[full..n], &mut dst[full..n]);
+    }
+
+    /// Blockwise int8 → f32 with streaming stores. Safety: `dst` must be 32-byte aligned and
+    /// `block` a multiple of 8.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn int8_decode_stream(
+        scales: &[u16],
+        codes: &[u8],
+        block: usize,
+        dst: &mut [f32],
+    ) {
+        let n = codes.len().min(dst.len());
+        for ((d, q), &sc) in dst[..n]
+            .chunks_mut(block)
+            .zip(codes[..n].chunks(block))
+            .zip(scales)
+        {
+            let scale = super::bf16_bits_to_f32(sc);
+            let full = d.len() / 8 * 8;
+            let vscale = _mm256_set1_ps(scale);
+            for (dd, qq) in d[..full].chunks_exact_mut(8).zip(q[..full].chunks_exact(8)) {
+                // SAFETY: `qq` holds 8 bytes (unaligned 64-bit load); `dd` holds 32 bytes at
+                // a 32-byte boundary (aligned `dst`, blocks and groups multiples of 8 values).
+                unsafe {
+                    let b = _mm_loadl_epi64(qq.as_ptr().cast::<__m128i>());
+                    let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+                    _mm256_stream_ps(dd.as_mut_ptr(), _mm256_mul_ps(f, vscale));
+                }
+            }
+            // Only the last block can be partial; its tail is written normally.
+            for (o, &c) in d[full..].iter_mut().zip(&q[full..]) {
+                *o = (c as i8) as f32 * scale;
+            }
+        }
+        _mm_sfence();
+    }
+
+    /// bf16 → f32 with streaming stores. Safety: `dst` must be 32-byte aligned.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn bf16_decode_stream(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let full = n / 8 * 8;
+        for (s, d) in src[..full]
+            .chunks_exact(8)
+            .zip(dst[..full].chunks_exact_mut(8))
+        {
+            // SAFETY: as in `f16_decode_stream`.
+            unsafe {
+                let h = _mm_loadu_si128(s.as_ptr().cast::<__m128i>());
+                let wide = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+                _mm256_stream_ps(d.as_mut_ptr(), _mm256_castsi256_ps(wide));
+            }
+        }
+        _mm_sfence();
+        super::bf16_decode_body(&src[full..n], &mut dst[full..n]);
     }
 }
 
@@ -412,6 +531,58 @@ mod tests {
         c.reinterpret_cast::<half::f16>()
             .convert_to_f32_slice(&mut f);
         assert_eq!(e, f);
+    }
+
+    #[test]
+    fn streaming_decoders_match_the_regular_ones() {
+        let mut r = crate::rng::Rng::new(9);
+        let src: Vec<f32> = (0..1003).map(|_| r.normal() as f32).collect();
+        let mut bits = vec![0u16; src.len()];
+        for f16 in [true, false] {
+            if f16 {
+                f16_encode(&src, &mut bits);
+            } else {
+                bf16_encode(&src, &mut bits);
+            }
+            // Every alignment of the output, so both the streaming and fallback paths run.
+            let mut buf = vec![0f32; src.len() + 8];
+            for off in 0..8 {
+                let (mut a, b) = (vec![0f32; src.len()], &mut buf[off..off + src.len()]);
+                if f16 {
+                    f16_decode(&bits, &mut a);
+                    f16_decode_streaming(&bits, b);
+                } else {
+                    bf16_decode(&bits, &mut a);
+                    bf16_decode_streaming(&bits, b);
+                }
+                assert!(a
+                    .iter()
+                    .zip(b.iter())
+                    .all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_int8_decode_matches_the_regular_one() {
+        let mut r = crate::rng::Rng::new(10);
+        let src: Vec<f32> = (0..1003).map(|_| r.normal() as f32).collect();
+        for block in [7usize, 8, 64] {
+            let nb = int8_blocks(src.len(), block);
+            let (mut s, mut c) = (vec![0u16; nb], vec![0u8; src.len()]);
+            int8_encode(&src, block, &mut s, &mut c);
+            let mut want = vec![0f32; src.len()];
+            int8_decode(&s, &c, block, &mut want);
+            let mut buf = vec![0f32; src.len() + 8];
+            for off in 0..8 {
+                let got = &mut buf[off..off + src.len()];
+                int8_decode_streaming(&s, &c, block, got);
+                assert!(want
+                    .iter()
+                    .zip(got.iter())
+                    .all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+        }
     }
 
     #[test]
