@@ -3,6 +3,8 @@
 //! Only argument handling and terminal output live here; every decision is in the library.
 //! Errors print as one line (`error: ...`) and exit with status 1.
 
+mod net_cmds;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use shoal::config::{DataConfig, RunConfig};
@@ -30,6 +32,20 @@ enum Command {
     Train(TrainArgs),
     /// Train the built-in tiny model on the built-in corpus and check it learned.
     Demo(DemoArgs),
+    /// Run manifests: `run new CONFIG` prints the run id.
+    Run {
+        #[command(subcommand)]
+        which: net_cmds::RunCommand,
+    },
+    /// Serve a stage of a run in a swarm.
+    Peer(net_cmds::PeerArgs),
+    /// Show the swarm: replicas per stage, throughput, the bottleneck.
+    Status(net_cmds::StatusArgs),
+    /// Private swarms: `swarm key --out FILE` makes a pre-shared key.
+    Swarm {
+        #[command(subcommand)]
+        which: net_cmds::SwarmCommand,
+    },
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -256,6 +272,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 None => Ok(ExitCode::SUCCESS),
             }
         }
+        Command::Run {
+            which: net_cmds::RunCommand::New { config, out },
+        } => net_cmds::run_new(config, out),
+        Command::Peer(a) => net_cmds::peer(a),
+        Command::Status(a) => net_cmds::status(a),
+        Command::Swarm {
+            which: net_cmds::SwarmCommand::Key { out },
+        } => net_cmds::swarm_key(out),
         Command::Bench {
             which:
                 BenchCommand::Codec {

@@ -8,14 +8,20 @@
 //! - [`config`]: the TOML run config and its validation.
 //! - [`model`]: the decoder cut into stages; AdamW; safetensors checkpoints.
 //! - [`data`]: token sources (built-in Markov corpus, text, token shards) and sampling.
+//! - [`dht`]: run manifests (canonical TOML, run id) and stage announcements, validated.
+//! - [`net`]: the libp2p swarm in one task, a cloneable handle, keys, stream framing.
+//! - [`stage`]: the replica (stage protocol server and client), `shoal peer`, `shoal status`.
 //! - [`train`]: local training of all stages in one process, through the wire codec.
 //! - [`bench`]: benchmarks that print tables (`shoal bench ...`).
 //! - [`rng`]: the seeded generator every peer computes identically.
 pub mod bench;
 pub mod config;
 pub mod data;
+pub mod dht;
 pub mod model;
+pub mod net;
 pub mod rng;
+pub mod stage;
 pub mod train;
 pub mod wire;
 

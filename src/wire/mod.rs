@@ -19,6 +19,7 @@ compile_error!("shoal's wire format assumes a little-endian machine");
 pub mod codec;
 pub mod frame;
 pub mod kernels;
+pub mod msg;
 
 pub use codec::{BadCodecName, CodecSpec, DType, Quant};
 pub use frame::{

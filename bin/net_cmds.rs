@@ -1,0 +1,255 @@
+//! The network commands: `run new`, `peer`, `status`, `swarm key`.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use shoal::dht::Manifest;
+use shoal::net::{self, keys, NetConfig};
+use shoal::stage::peer::{Peer, PeerConfig, RunSource, StageChoice};
+use shoal::stage::service::ServiceConfig;
+use shoal::stage::status;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Subcommand)]
+pub enum RunCommand {
+    /// Write the canonical manifest of a config and print its run id.
+    New {
+        /// Run config (TOML), e.g. configs/tiny.toml.
+        config: PathBuf,
+        /// Where to write the manifest.
+        #[arg(long, value_name = "FILE", default_value = "run.toml")]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum SwarmCommand {
+    /// Write a fresh pre-shared key for a private swarm (libp2p swarm key format).
+    Key {
+        /// Where to write it (created with mode 0600; never overwritten).
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
+    },
+}
+
+#[derive(Args)]
+pub struct NetArgs {
+    /// Multiaddrs of peers already in the swarm (with /p2p/<peer id>).
+    #[arg(long, value_name = "MULTIADDR", num_args = 1..)]
+    bootstrap: Vec<String>,
+    /// Private swarm key file (made by `shoal swarm key`): TCP with pnet only, no QUIC.
+    #[arg(long, value_name = "FILE")]
+    swarm_key: Option<PathBuf>,
+    /// Print network events to stderr.
+    #[arg(long, hide = true)]
+    verbose: bool,
+}
+
+#[derive(Args)]
+pub struct PeerArgs {
+    /// The run: a manifest file (made by `shoal run new`) or a run id to fetch from the DHT.
+    #[arg(long, value_name = "ID|FILE")]
+    run: String,
+    #[command(flatten)]
+    net: NetArgs,
+    /// Multiaddrs to listen on (default: TCP and QUIC on every interface, random ports).
+    /// A `/p2p-circuit` address listens through a relay.
+    #[arg(long, value_name = "MULTIADDR", num_args = 1..)]
+    listen: Vec<String>,
+    /// Stage to serve: `auto` (the swarm's weakest stage) or an index.
+    #[arg(long, default_value = "auto", value_name = "auto|N")]
+    stage: String,
+    /// Compute device: cpu, cuda:N or metal.
+    #[arg(long, default_value = "cpu", value_name = "DEVICE")]
+    device: String,
+    /// Identity key file; created (mode 0600) if missing, so the peer id survives restarts.
+    #[arg(long, value_name = "FILE", default_value = "shoal-identity.key")]
+    identity: PathBuf,
+    /// Offer relay service to peers that cannot be dialled directly.
+    #[arg(long)]
+    relay_server: bool,
+    /// Requests the stage may queue before it answers `overloaded`.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    queue: usize,
+    /// Seconds an announcement lives (refreshed at a third of it).
+    #[arg(long, default_value_t = 30, value_name = "SECS", hide = true)]
+    announce_ttl: u64,
+}
+
+#[derive(Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    net: NetArgs,
+    /// Only this run (default: every run that a serving peer announces).
+    #[arg(long, value_name = "ID")]
+    run: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_new(config: PathBuf, out: PathBuf) -> Result<ExitCode> {
+    let m = Manifest::load(&config)?;
+    shoal::model::checkpoint::write_atomic(&out, m.file_text().as_bytes())
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    eprintln!(
+        "wrote the manifest of run {} ({} stages) to {}",
+        m.id,
+        m.config.stages.count,
+        out.display()
+    );
+    println!("{}", m.id);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn swarm_key(out: PathBuf) -> Result<ExitCode> {
+    keys::write_swarm_key(&out, keys::new_swarm_key()?)?;
+    eprintln!(
+        "wrote a new swarm key to {}; give it to every peer of the private swarm (--swarm-key)",
+        out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn parse_addrs(list: &[String]) -> Result<Vec<libp2p::Multiaddr>> {
+    Ok(list
+        .iter()
+        .map(|s| net::parse_addr(s))
+        .collect::<Result<_, _>>()?)
+}
+
+fn net_config(
+    a: &NetArgs,
+    identity: libp2p::identity::Keypair,
+    listen: Vec<libp2p::Multiaddr>,
+) -> Result<NetConfig> {
+    let mut cfg = NetConfig::new(identity, listen);
+    cfg.swarm_key = a
+        .swarm_key
+        .as_deref()
+        .map(keys::read_swarm_key)
+        .transpose()?;
+    cfg.verbose = a.verbose;
+    Ok(cfg)
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+pub fn peer(a: PeerArgs) -> Result<ExitCode> {
+    let stage =
+        match a.stage.as_str() {
+            "auto" => StageChoice::Auto,
+            s => StageChoice::Index(s.parse().map_err(|_| {
+                anyhow::anyhow!("--stage must be `auto` or a stage index, not {s:?}")
+            })?),
+        };
+    let device = shoal::model::parse_device(&a.device).map_err(anyhow::Error::msg)?;
+    if a.queue == 0 {
+        bail!("--queue must be at least 1");
+    }
+    if a.announce_ttl == 0 || a.announce_ttl > 600 {
+        bail!("--announce-ttl must be between 1 and 600 seconds");
+    }
+    let bootstrap = parse_addrs(&a.net.bootstrap)?;
+    let mut listen = parse_addrs(&a.listen)?;
+    if listen.is_empty() {
+        listen.push(net::parse_addr("/ip4/0.0.0.0/tcp/0")?);
+        if a.net.swarm_key.is_none() {
+            listen.push(net::parse_addr("/ip4/0.0.0.0/udp/0/quic-v1")?);
+        }
+    }
+    let (identity, created) = keys::load_or_create_identity(&a.identity)?;
+    if created {
+        eprintln!("created identity {}", a.identity.display());
+    }
+    let mut netcfg = net_config(&a.net, identity, listen)?;
+    netcfg.relay_server = a.relay_server;
+    let ttl = Duration::from_secs(a.announce_ttl);
+    netcfg.provider_ttl = ttl.max(Duration::from_secs(5));
+    let cfg = PeerConfig {
+        run: RunSource::parse(&a.run),
+        net: netcfg,
+        bootstrap,
+        stage,
+        device,
+        device_name: a.device.clone(),
+        announce_ttl: ttl,
+        service: ServiceConfig {
+            queue_cap: a.queue,
+            ..ServiceConfig::default()
+        },
+        bench_budget: Duration::from_millis(800),
+    };
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let log = |line: String| println!("{line}");
+        let peer = Peer::start(cfg, &log).await?;
+        println!("peer {} ready; Ctrl-C to stop", peer.net().local_peer_id());
+        shutdown_signal().await;
+        println!("stopping: withdrawing announcements");
+        peer.stop().await;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn status(a: StatusArgs) -> Result<ExitCode> {
+    if a.net.bootstrap.is_empty() {
+        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
+    }
+    if let Some(r) = &a.run {
+        if !shoal::dht::is_run_id(r) {
+            bail!("--run {r:?} is not a run id (32 hex digits, printed by `shoal run new`)");
+        }
+    }
+    let bootstrap = parse_addrs(&a.net.bootstrap)?;
+    let mut cfg = net_config(
+        &a.net,
+        libp2p::identity::Keypair::generate_ed25519(),
+        Vec::new(),
+    )?;
+    cfg.dht_server = false;
+    let rt = runtime()?;
+    let runs = rt.block_on(async move {
+        let handle = net::start(cfg)?;
+        shoal::stage::peer::join(&handle, &bootstrap).await?;
+        let runs = status::gather(&handle, a.run.as_deref()).await?;
+        handle.shutdown().await;
+        Ok::<_, anyhow::Error>(runs)
+    })?;
+    if a.json {
+        println!("{}", status::to_json(&runs));
+    } else {
+        print!("{}", status::render(&runs));
+    }
+    Ok(ExitCode::SUCCESS)
+}

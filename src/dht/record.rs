@@ -1,0 +1,209 @@
+//! Typed DHT records: keys, the per-replica stage announcement, and validation on read.
+//!
+//! Keys (all UTF-8):
+//! - `/shoal/run/<run id>`: the canonical manifest; valid when it hashes to the id.
+//! - `/shoal/ann/<peer id>`: the announcement of the replica a peer serves (one per peer).
+//! - provider key `/shoal/stage/<run id>/<stage>`: peers serving that stage provide it.
+//! - provider key `/shoal/peers`: every serving peer provides it, so `shoal status` can list
+//!   runs it was not told about.
+//!
+//! Every value is size-checked and parsed before it is trusted; the network task refuses to
+//! store a record that does not validate, and readers validate again (a record may have
+//! expired since).
+
+use super::manifest::{is_run_id, Manifest};
+use serde::{Deserialize, Serialize};
+
+/// Largest announcement value accepted.
+pub const MAX_ANNOUNCEMENT: usize = 8 << 10;
+/// Longest lifetime an announcement may claim.
+pub const MAX_TTL_MS: u64 = 10 * 60 * 1000;
+/// Most listen addresses an announcement may carry.
+pub const MAX_ADDRS: usize = 32;
+/// The announcement format version.
+pub const ANN_VERSION: u8 = 1;
+/// The provider key every serving peer provides.
+pub const PEERS_KEY: &str = "/shoal/peers";
+
+/// Why a record was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// The key is not one of ours.
+    #[error("unknown record key")]
+    UnknownKey,
+    /// Over the size limit for its kind.
+    #[error("record of {0} bytes is over its size limit")]
+    TooLarge(usize),
+    /// Does not parse, or parses to something inconsistent.
+    #[error("malformed record: {0}")]
+    Malformed(String),
+    /// Past its expiry.
+    #[error("record expired")]
+    Expired,
+}
+
+/// What a replica says about itself, refreshed well before `expires_ms`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Announcement {
+    /// Format version.
+    pub v: u8,
+    /// Run id.
+    pub run: String,
+    /// Peer id (base58) of the replica.
+    pub peer: String,
+    /// Multiaddrs it can be dialled on (with `/p2p/<peer>`).
+    pub addrs: Vec<String>,
+    /// Stage it serves.
+    pub stage: u32,
+    /// Stage count of the run (lets readers size tables without the manifest).
+    pub stages: u32,
+    /// Optimizer step it is at.
+    pub step: u64,
+    /// Samples per second of forward + backward, measured at start-up.
+    pub samples_per_s: f64,
+    /// Device the throughput was measured on, e.g. `cpu` or `cuda:0`.
+    pub device: String,
+    /// Requests waiting or running.
+    pub queue: u32,
+    /// Queue capacity.
+    pub queue_cap: u32,
+    /// Hash of its parameters (hex).
+    pub params_hash: String,
+    /// Unix ms when it was issued.
+    pub issued_ms: u64,
+    /// Unix ms after which readers ignore it.
+    pub expires_ms: u64,
+}
+
+impl Announcement {
+    /// The JSON value stored in the DHT.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses and validates an announcement stored under `/shoal/ann/<key_peer>`.
+    pub fn from_bytes(bytes: &[u8], key_peer: &str, now_ms: u64) -> Result<Self, RecordError> {
+        if bytes.len() > MAX_ANNOUNCEMENT {
+            return Err(RecordError::TooLarge(bytes.len()));
+        }
+        let a: Self =
+            serde_json::from_slice(bytes).map_err(|e| RecordError::Malformed(e.to_string()))?;
+        a.check(key_peer)?;
+        if a.expires_ms <= now_ms {
+            return Err(RecordError::Expired);
+        }
+        Ok(a)
+    }
+
+    fn check(&self, key_peer: &str) -> Result<(), RecordError> {
+        let bad = |m: &str| Err(RecordError::Malformed(m.to_string()));
+        if self.v != ANN_VERSION {
+            return bad("unsupported announcement version");
+        }
+        if self.peer != key_peer {
+            return bad("announcement peer differs from its key");
+        }
+        if !is_run_id(&self.run) {
+            return bad("announcement run is not a run id");
+        }
+        if self.stages == 0 || self.stage >= self.stages || self.stages > 1024 {
+            return bad("announcement stage out of range");
+        }
+        if !self.samples_per_s.is_finite() || self.samples_per_s < 0.0 {
+            return bad("announcement throughput is not a finite non-negative number");
+        }
+        if self.addrs.len() > MAX_ADDRS || self.addrs.iter().any(|a| a.len() > 512) {
+            return bad("announcement carries too many or too long addresses");
+        }
+        if self.device.len() > 64 || self.params_hash.len() > 64 {
+            return bad("announcement device or hash too long");
+        }
+        if self.expires_ms < self.issued_ms || self.expires_ms - self.issued_ms > MAX_TTL_MS {
+            return bad("announcement lifetime is negative or over 10 minutes");
+        }
+        Ok(())
+    }
+}
+
+/// The key of a run's manifest.
+pub fn manifest_key(run: &str) -> String {
+    format!("/shoal/run/{run}")
+}
+
+/// The key of a peer's announcement.
+pub fn announcement_key(peer: &str) -> String {
+    format!("/shoal/ann/{peer}")
+}
+
+/// The provider key of a stage of a run.
+pub fn stage_key(run: &str, stage: usize) -> String {
+    format!("/shoal/stage/{run}/{stage}")
+}
+
+/// What a record key names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyKind<'a> {
+    /// A manifest, with its run id.
+    Manifest(&'a str),
+    /// An announcement, with its peer id.
+    Announcement(&'a str),
+}
+
+/// Classifies a record key.
+pub fn parse_key(key: &[u8]) -> Result<KeyKind<'_>, RecordError> {
+    let s = std::str::from_utf8(key).map_err(|_| RecordError::UnknownKey)?;
+    if let Some(run) = s.strip_prefix("/shoal/run/") {
+        return if is_run_id(run) {
+            Ok(KeyKind::Manifest(run))
+        } else {
+            Err(RecordError::UnknownKey)
+        };
+    }
+    if let Some(peer) = s.strip_prefix("/shoal/ann/") {
+        return if !peer.is_empty()
+            && peer.len() <= 128
+            && peer.bytes().all(|b| b.is_ascii_alphanumeric())
+        {
+            Ok(KeyKind::Announcement(peer))
+        } else {
+            Err(RecordError::UnknownKey)
+        };
+    }
+    Err(RecordError::UnknownKey)
+}
+
+/// Whether a provider key is one of ours.
+pub fn is_provider_key(key: &[u8]) -> bool {
+    let Ok(s) = std::str::from_utf8(key) else {
+        return false;
+    };
+    if s == PEERS_KEY {
+        return true;
+    }
+    let Some(rest) = s.strip_prefix("/shoal/stage/") else {
+        return false;
+    };
+    match rest.split_once('/') {
+        Some((run, stage)) => is_run_id(run) && stage.parse::<u16>().is_ok(),
+        None => false,
+    }
+}
+
+/// Validates a record before it is stored or used.
+pub fn validate(key: &[u8], value: &[u8], now_ms: u64) -> Result<(), RecordError> {
+    match parse_key(key)? {
+        KeyKind::Manifest(run) => Manifest::from_fetched(value, run)
+            .map(|_| ())
+            .map_err(|e| RecordError::Malformed(e.to_string())),
+        KeyKind::Announcement(peer) => Announcement::from_bytes(value, peer, now_ms).map(|_| ()),
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

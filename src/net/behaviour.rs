@@ -1,0 +1,147 @@
+//! The libp2p behaviour of a shoal peer and how its swarm is built.
+//!
+//! Transports: TCP (noise, yamux) and QUIC, or in a private swarm TCP wrapped in pnet
+//! before noise (QUIC cannot carry pnet, so it is off), plus the relay client transport in
+//! both cases. Behaviours: Kademlia (`/shoal/kad/1.0.0`, records validated before they are
+//! stored), identify, ping, AutoNAT, relay client, optional relay server, DCUtR, connection
+//! limits, and libp2p-stream for our own stage and transfer protocols.
+
+use super::{NetConfig, NetError};
+use libp2p::core::upgrade::Version;
+use libp2p::core::Transport;
+use libp2p::identity::Keypair;
+use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
+use libp2p::swarm::behaviour::toggle::Toggle;
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::{
+    autonat, connection_limits, dcutr, identify, kad, noise, ping, pnet, relay, tcp, yamux,
+    StreamProtocol, Swarm, SwarmBuilder,
+};
+use std::time::Duration;
+
+/// The Kademlia protocol name of shoal swarms.
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/kad/1.0.0");
+/// The identify protocol version string.
+pub const IDENTIFY_PROTOCOL: &str = "/shoal/id/1.0.0";
+
+/// Everything a peer speaks.
+#[derive(NetworkBehaviour)]
+pub struct Behaviour {
+    /// Refuses connections over the configured limits.
+    pub limits: connection_limits::Behaviour,
+    /// The DHT.
+    pub kad: kad::Behaviour<MemoryStore>,
+    /// Tells peers our listen addresses and learns theirs.
+    pub identify: identify::Behaviour,
+    /// Liveness.
+    pub ping: ping::Behaviour,
+    /// Learns whether we are reachable from outside.
+    pub autonat: autonat::Behaviour,
+    /// Listens and dials through relays.
+    pub relay_client: relay::client::Behaviour,
+    /// Offers relay service when `--relay-server` is on.
+    pub relay_server: Toggle<relay::Behaviour>,
+    /// Upgrades relayed connections to direct ones by hole punching.
+    pub dcutr: dcutr::Behaviour,
+    /// Raw streams for stage calls and bulk transfers.
+    pub stream: libp2p_stream::Behaviour,
+}
+
+fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetConfig) -> Behaviour {
+    let id = key.public().to_peer_id();
+    let mut kad_cfg = kad::Config::new(KAD_PROTOCOL);
+    kad_cfg
+        .set_query_timeout(Duration::from_secs(10))
+        .set_record_filtering(kad::StoreInserts::FilterBoth)
+        .set_provider_record_ttl(Some(cfg.provider_ttl))
+        .set_provider_publication_interval(Some(cfg.provider_ttl / 3))
+        .set_max_packet_size(64 << 10);
+    let store = MemoryStore::with_config(
+        id,
+        MemoryStoreConfig {
+            max_records: 4096,
+            max_value_bytes: 64 << 10,
+            max_providers_per_key: 256,
+            max_provided_keys: 64,
+        },
+    );
+    let mut kad = kad::Behaviour::with_config(id, store, kad_cfg);
+    kad.set_mode(Some(if cfg.dht_server {
+        kad::Mode::Server
+    } else {
+        kad::Mode::Client
+    }));
+    let limits = connection_limits::ConnectionLimits::default()
+        .with_max_pending_incoming(Some(128))
+        .with_max_pending_outgoing(Some(128))
+        .with_max_established(Some(cfg.max_connections))
+        .with_max_established_per_peer(Some(4));
+    let relay_server = cfg.relay_server.then(|| {
+        // Generous circuits: a relayed replica moves activations, megabytes per call. The
+        // operator chose to relay; these bound it per circuit, not in total.
+        let rcfg = relay::Config {
+            max_circuit_duration: Duration::from_secs(30 * 60),
+            max_circuit_bytes: 1 << 30,
+            ..relay::Config::default()
+        };
+        relay::Behaviour::new(id, rcfg)
+    });
+    Behaviour {
+        limits: connection_limits::Behaviour::new(limits),
+        kad,
+        identify: identify::Behaviour::new(
+            identify::Config::new(IDENTIFY_PROTOCOL.to_string(), key.public())
+                .with_agent_version(format!("shoal/{}", env!("CARGO_PKG_VERSION"))),
+        ),
+        ping: ping::Behaviour::default(),
+        autonat: autonat::Behaviour::new(id, autonat::Config::default()),
+        relay_client,
+        relay_server: Toggle::from(relay_server),
+        dcutr: dcutr::Behaviour::new(id),
+        stream: libp2p_stream::Behaviour::new(),
+    }
+}
+
+/// Builds the swarm for `cfg`.
+pub fn build_swarm(cfg: &NetConfig) -> Result<Swarm<Behaviour>, NetError> {
+    let err = |e: &dyn std::fmt::Display| NetError::Transport(e.to_string());
+    let idle = cfg.idle_timeout;
+    let tcp_cfg = tcp::Config::default().nodelay(true);
+    let swarm = match &cfg.swarm_key {
+        None => SwarmBuilder::with_existing_identity(cfg.identity.clone())
+            .with_tokio()
+            .with_tcp(tcp_cfg, noise::Config::new, yamux::Config::default)
+            .map_err(|e| err(&e))?
+            .with_quic()
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| err(&e))?
+            .with_behaviour(|key, relay| behaviour(key, relay, cfg))
+            .map_err(|e| err(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+            .build(),
+        Some(psk) => {
+            let psk = *psk;
+            SwarmBuilder::with_existing_identity(cfg.identity.clone())
+                .with_tokio()
+                .with_other_transport(|key| {
+                    let noise = noise::Config::new(key)?;
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                        tcp::tokio::Transport::new(tcp_cfg)
+                            .and_then(move |socket, _| pnet::PnetConfig::new(psk).handshake(socket))
+                            .upgrade(Version::V1)
+                            .authenticate(noise)
+                            .multiplex(yamux::Config::default())
+                            .timeout(Duration::from_secs(20)),
+                    )
+                })
+                .map_err(|e| err(&e))?
+                .with_relay_client(noise::Config::new, yamux::Config::default)
+                .map_err(|e| err(&e))?
+                .with_behaviour(|key, relay| behaviour(key, relay, cfg))
+                .map_err(|e| err(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+                .build()
+        }
+    };
+    Ok(swarm)
+}

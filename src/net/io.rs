@@ -1,0 +1,118 @@
+//! Reading and writing stage-protocol messages on a stream, with every limit checked first.
+//!
+//! The layout is in `wire::msg`: a length-prefixed JSON header, then length-prefixed tensor
+//! frames. A reader checks each length against its limit before it allocates, and grows
+//! its buffer as bytes actually arrive, so a peer that announces 256 MiB and sends nothing
+//! costs one chunk of memory, not 256 MiB.
+
+use crate::wire::msg::{self, MsgError};
+use crate::wire::Limits;
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use serde::Serialize;
+
+/// Bytes a frame header may add to its payload (prefix, 8 dims, length and checksum).
+const FRAME_OVERHEAD: u64 = 128;
+/// Buffer growth step while reading a frame.
+const CHUNK: usize = 1 << 20;
+
+/// Why a message could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    /// The stream failed or closed early.
+    #[error("stream: {0}")]
+    Io(#[from] std::io::Error),
+    /// The header is bad.
+    #[error(transparent)]
+    Msg(#[from] MsgError),
+    /// A frame is longer than the limit allows; nothing was allocated for it.
+    #[error("tensor frame of {len} bytes is over the {limit}-byte limit")]
+    FrameTooLarge {
+        /// Length the sender declared.
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
+}
+
+/// Writes a header and its frames, then flushes.
+pub async fn write_message<W, H>(w: &mut W, header: &H, frames: &[&[u8]]) -> Result<(), IoError>
+where
+    W: AsyncWrite + Unpin,
+    H: Serialize,
+{
+    let mut head = msg::encode_header(header);
+    match frames.split_first() {
+        None => w.write_all(&head).await?,
+        Some((first, rest)) => {
+            // Small frames ride with the header in one write; big ones go straight from
+            // their buffer.
+            head.extend_from_slice(&(first.len() as u64).to_le_bytes());
+            if first.len() < 64 << 10 {
+                head.extend_from_slice(first);
+                w.write_all(&head).await?;
+            } else {
+                w.write_all(&head).await?;
+                w.write_all(first).await?;
+            }
+            for f in rest {
+                w.write_all(&(f.len() as u64).to_le_bytes()).await?;
+                w.write_all(f).await?;
+            }
+        }
+    }
+    w.flush().await?;
+    Ok(())
+}
+
+/// Reads a header's bytes (after checking its length).
+pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, IoError> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await?;
+    let n = msg::check_header_len(u32::from_le_bytes(len))?;
+    let mut buf = vec![0u8; n];
+    r.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+/// Checks a frame length prefix against the limits.
+pub fn check_frame_len(len: u64, limits: &Limits) -> Result<usize, IoError> {
+    let limit = limits.max_bytes.saturating_add(FRAME_OVERHEAD);
+    if len > limit {
+        return Err(IoError::FrameTooLarge { len, limit });
+    }
+    Ok(len as usize)
+}
+
+/// Reads the length prefix of the next frame and checks it.
+pub async fn read_frame_len<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+) -> Result<usize, IoError> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len).await?;
+    check_frame_len(u64::from_le_bytes(len), limits)
+}
+
+/// Reads `len` bytes of frame, growing the buffer as they arrive.
+pub async fn read_frame_body<R: AsyncRead + Unpin>(
+    r: &mut R,
+    len: usize,
+) -> Result<Vec<u8>, IoError> {
+    let mut buf = Vec::with_capacity(len.min(CHUNK));
+    while buf.len() < len {
+        let start = buf.len();
+        let n = (len - start).min(CHUNK.max(start));
+        buf.resize(start + n, 0);
+        r.read_exact(&mut buf[start..]).await?;
+    }
+    Ok(buf)
+}
+
+/// Reads one length-prefixed frame.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+) -> Result<Vec<u8>, IoError> {
+    let len = read_frame_len(r, limits).await?;
+    read_frame_body(r, len).await
+}

@@ -1,0 +1,337 @@
+//! The network layer: one task owns the libp2p swarm; everyone else holds a [`NetHandle`].
+//!
+//! The handle is cheap to clone and talks to the task over a bounded command channel, each
+//! command answered on its own oneshot (the shape of rust-libp2p's file-sharing example).
+//! When every handle is dropped the task ends. Streams for our own protocols are opened
+//! and accepted through libp2p-stream's `Control`, which the handle carries, so bulk bytes
+//! never pass through the command channel. What this layer does not know: what a stage is,
+//! what the bytes on a stream mean (that is `stage`, with framing from `io`).
+
+pub mod behaviour;
+pub mod io;
+pub mod keys;
+mod task;
+
+use libp2p::identity::Keypair;
+use libp2p::pnet::PreSharedKey;
+use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol};
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// Why a network operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NetError {
+    /// A key file is missing, unreadable or malformed.
+    #[error("{0}")]
+    Key(String),
+    /// The transport could not be built.
+    #[error("cannot build the transport: {0}")]
+    Transport(String),
+    /// A listen address was refused.
+    #[error("cannot listen on {addr}: {cause}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        cause: String,
+    },
+    /// A dial failed.
+    #[error("cannot connect to {addr}: {cause}")]
+    Dial {
+        /// The address.
+        addr: String,
+        /// Why.
+        cause: String,
+    },
+    /// The DHT refused an operation.
+    #[error("dht: {0}")]
+    Dht(String),
+    /// A stream could not be opened.
+    #[error("cannot open a stream to {peer}: {cause}")]
+    Stream {
+        /// The peer.
+        peer: String,
+        /// Why.
+        cause: String,
+    },
+    /// The network task has stopped.
+    #[error("the network task has stopped")]
+    Stopped,
+    /// A bad argument.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// How a peer joins the network.
+#[derive(Clone)]
+pub struct NetConfig {
+    /// The peer's key.
+    pub identity: Keypair,
+    /// Addresses to listen on (TCP, QUIC, or `/p2p-circuit` through a relay).
+    pub listen: Vec<Multiaddr>,
+    /// Private swarm key: TCP wrapped in pnet, QUIC off.
+    pub swarm_key: Option<PreSharedKey>,
+    /// Offer relay service to others.
+    pub relay_server: bool,
+    /// Answer DHT queries (serving peers); `false` for `shoal status` and other clients.
+    pub dht_server: bool,
+    /// How long the DHT keeps provider records.
+    pub provider_ttl: Duration,
+    /// Close connections idle this long.
+    pub idle_timeout: Duration,
+    /// Most established connections.
+    pub max_connections: u32,
+    /// Print network events to stderr.
+    pub verbose: bool,
+}
+
+impl NetConfig {
+    /// Defaults for a peer with `identity` listening on `listen`.
+    pub fn new(identity: Keypair, listen: Vec<Multiaddr>) -> Self {
+        Self {
+            identity,
+            listen,
+            swarm_key: None,
+            relay_server: false,
+            dht_server: true,
+            provider_ttl: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(120),
+            max_connections: 512,
+            verbose: false,
+        }
+    }
+}
+
+/// One established connection, as the task sees it.
+#[derive(Debug, Clone)]
+pub struct ConnectionInfo {
+    /// The remote peer.
+    pub peer: PeerId,
+    /// The remote address.
+    pub addr: Multiaddr,
+    /// Whether it runs through a relay circuit.
+    pub relayed: bool,
+}
+
+pub(crate) enum Command {
+    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    Dial(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>),
+    AddAddresses(PeerId, Vec<Multiaddr>),
+    PutRecord {
+        key: Vec<u8>,
+        value: Vec<u8>,
+        ttl: Duration,
+        reply: oneshot::Sender<Result<(), NetError>>,
+    },
+    GetRecord(Vec<u8>, oneshot::Sender<Vec<Vec<u8>>>),
+    RemoveRecord(Vec<u8>),
+    StartProviding(Vec<u8>, oneshot::Sender<Result<(), NetError>>),
+    StopProviding(Vec<u8>),
+    GetProviders(Vec<u8>, oneshot::Sender<HashSet<PeerId>>),
+    Bootstrap,
+    Connections(oneshot::Sender<Vec<ConnectionInfo>>),
+    Shutdown,
+}
+
+/// A cloneable handle on the network task.
+#[derive(Clone)]
+pub struct NetHandle {
+    tx: mpsc::Sender<Command>,
+    control: libp2p_stream::Control,
+    local: PeerId,
+}
+
+impl std::fmt::Debug for NetHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetHandle")
+            .field("local", &self.local)
+            .finish()
+    }
+}
+
+/// Starts the network task on the current tokio runtime.
+pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
+    if cfg.swarm_key.is_some() {
+        if let Some(a) = cfg.listen.iter().find(|a| is_quic(a)) {
+            return Err(NetError::Invalid(format!(
+                "{a}: QUIC cannot carry a swarm key; listen on TCP in a private swarm"
+            )));
+        }
+    }
+    let mut swarm = behaviour::build_swarm(&cfg)?;
+    for addr in &cfg.listen {
+        swarm
+            .listen_on(addr.clone())
+            .map_err(|e| NetError::Listen {
+                addr: addr.to_string(),
+                cause: e.to_string(),
+            })?;
+    }
+    let control = swarm.behaviour().stream.new_control();
+    let local = *swarm.local_peer_id();
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(task::run(swarm, rx, cfg.verbose));
+    Ok(NetHandle { tx, control, local })
+}
+
+/// Whether an address is QUIC.
+pub fn is_quic(addr: &Multiaddr) -> bool {
+    addr.iter()
+        .any(|p| matches!(p, libp2p::multiaddr::Protocol::QuicV1))
+}
+
+/// The peer id at the end of a multiaddr, if any.
+pub fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
+    match addr.iter().last() {
+        Some(libp2p::multiaddr::Protocol::P2p(p)) => Some(p),
+        _ => None,
+    }
+}
+
+/// Parses a multiaddr given on the command line, with a one-line error.
+pub fn parse_addr(s: &str) -> Result<Multiaddr, NetError> {
+    s.parse::<Multiaddr>().map_err(|e| {
+        NetError::Invalid(format!(
+            "{s:?} is not a multiaddr ({e}); expected e.g. /ip4/127.0.0.1/tcp/4001/p2p/12D3Koo…"
+        ))
+    })
+}
+
+impl NetHandle {
+    /// This peer's id.
+    pub fn local_peer_id(&self) -> PeerId {
+        self.local
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(make(reply))
+            .await
+            .map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)
+    }
+
+    async fn tell(&self, cmd: Command) -> Result<(), NetError> {
+        self.tx.send(cmd).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Full addresses (ending in `/p2p/<id>`) this peer listens on now.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NetError> {
+        self.ask(Command::ListenAddrs).await
+    }
+
+    /// Waits until the peer listens on at least `n` addresses, or `timeout` passes.
+    pub async fn wait_listening(
+        &self,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<Multiaddr>, NetError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let addrs = self.listen_addrs().await?;
+            if addrs.len() >= n || tokio::time::Instant::now() >= deadline {
+                return Ok(addrs);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Dials an address and waits for the connection; returns the remote peer id.
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId, NetError> {
+        self.ask(|r| Command::Dial(addr, r)).await?
+    }
+
+    /// Tells the swarm where a peer can be reached (used when a stream is opened to it).
+    pub async fn add_addresses(&self, peer: PeerId, addrs: Vec<Multiaddr>) -> Result<(), NetError> {
+        self.tell(Command::AddAddresses(peer, addrs)).await
+    }
+
+    /// Stores a record locally and at the peers closest to its key, expiring after `ttl`.
+    /// Succeeds when stored locally, even if no other peer took it yet.
+    pub async fn put_record(
+        &self,
+        key: Vec<u8>,
+        value: Vec<u8>,
+        ttl: Duration,
+    ) -> Result<(), NetError> {
+        self.ask(|reply| Command::PutRecord {
+            key,
+            value,
+            ttl,
+            reply,
+        })
+        .await?
+    }
+
+    /// Every valid, unexpired value found under `key` (possibly several versions).
+    pub async fn get_record(&self, key: Vec<u8>) -> Result<Vec<Vec<u8>>, NetError> {
+        self.ask(|r| Command::GetRecord(key, r)).await
+    }
+
+    /// Drops a record from the local store and stops republishing it.
+    pub async fn remove_record(&self, key: Vec<u8>) -> Result<(), NetError> {
+        self.tell(Command::RemoveRecord(key)).await
+    }
+
+    /// Announces this peer as a provider of `key`.
+    pub async fn start_providing(&self, key: Vec<u8>) -> Result<(), NetError> {
+        self.ask(|r| Command::StartProviding(key, r)).await?
+    }
+
+    /// Stops providing `key` (locally; remote copies expire).
+    pub async fn stop_providing(&self, key: Vec<u8>) -> Result<(), NetError> {
+        self.tell(Command::StopProviding(key)).await
+    }
+
+    /// The providers of `key` found in the DHT.
+    pub async fn get_providers(&self, key: Vec<u8>) -> Result<HashSet<PeerId>, NetError> {
+        self.ask(|r| Command::GetProviders(key, r)).await
+    }
+
+    /// Starts a DHT bootstrap (refreshes the routing table).
+    pub async fn bootstrap(&self) -> Result<(), NetError> {
+        self.tell(Command::Bootstrap).await
+    }
+
+    /// The established connections.
+    pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, NetError> {
+        self.ask(Command::Connections).await
+    }
+
+    /// Opens a stream to `peer` for `protocol`, dialling it if needed.
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        protocol: StreamProtocol,
+    ) -> Result<Stream, NetError> {
+        let mut control = self.control.clone();
+        control
+            .open_stream(peer, protocol)
+            .await
+            .map_err(|e| NetError::Stream {
+                peer: peer.to_string(),
+                cause: e.to_string(),
+            })
+    }
+
+    /// Accepts inbound streams of `protocol` (once per protocol).
+    pub fn accept(
+        &self,
+        protocol: StreamProtocol,
+    ) -> Result<libp2p_stream::IncomingStreams, NetError> {
+        let mut control = self.control.clone();
+        control
+            .accept(protocol)
+            .map_err(|e| NetError::Invalid(format!("cannot accept streams: {e}")))
+    }
+
+    /// Stops the network task.
+    pub async fn shutdown(&self) {
+        let _ = self.tell(Command::Shutdown).await;
+    }
+}

@@ -1,0 +1,235 @@
+//! Calling a remote stage: forward, backward and info over the stage protocol.
+//!
+//! A call writes its request while it reads the response, so a replica that refuses early
+//! (a frame over its limit, a full queue) is heard at once instead of leaving the caller
+//! blocked on a write nobody reads.
+
+use super::{tensor, STAGE_PROTOCOL};
+use crate::net::io::{self as netio, IoError};
+use crate::net::{NetError, NetHandle};
+use crate::wire::msg::{self, ErrorKind, Op, Request, Response, MSG_VERSION};
+use crate::wire::{CodecSpec, Limits, WireError};
+use candle_core::{Device, Tensor};
+use futures::{AsyncReadExt, AsyncWriteExt};
+use libp2p::PeerId;
+use std::time::Duration;
+
+/// Why a remote call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The peer could not be reached.
+    #[error(transparent)]
+    Net(#[from] NetError),
+    /// The stream broke or a message was malformed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The replica refused with a typed error.
+    #[error("replica refused ({kind}): {message}")]
+    Remote {
+        /// What kind of refusal.
+        kind: ErrorKind,
+        /// The replica's message.
+        message: String,
+    },
+    /// A tensor in the reply did not decode.
+    #[error("bad tensor in reply: {0}")]
+    Wire(#[from] WireError),
+    /// The reply does not fit the request.
+    #[error("unexpected reply: {0}")]
+    Protocol(String),
+}
+
+impl CallError {
+    /// The replica's error kind, when it refused.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            Self::Remote { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}
+
+/// The result of a remote backward.
+#[derive(Debug)]
+pub struct BackwardReply {
+    /// The loss, from the last stage.
+    pub loss: Option<f32>,
+    /// d(loss)/d(input); none from stage 0.
+    pub grad_input: Option<Tensor>,
+    /// The replica's step.
+    pub step: u64,
+}
+
+/// Calls stages of one run.
+#[derive(Debug, Clone)]
+pub struct StageClient {
+    net: NetHandle,
+    run: String,
+    codec: CodecSpec,
+    limits: Limits,
+    timeout: Duration,
+    device: Device,
+}
+
+impl StageClient {
+    /// A client for run `run`, sending tensors with `codec`.
+    pub fn new(net: NetHandle, run: String, codec: CodecSpec) -> Self {
+        Self {
+            net,
+            run,
+            codec,
+            limits: Limits::default(),
+            timeout: Duration::from_secs(60),
+            device: Device::Cpu,
+        }
+    }
+
+    /// Sets the per-call timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the frame limits applied to requests and replies.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    fn request(&self, stage: usize, step: u64, mb: u64, op: Op, tensors: u8) -> Request {
+        Request {
+            v: MSG_VERSION,
+            run: self.run.clone(),
+            stage: stage as u32,
+            step,
+            mb,
+            op,
+            tensors,
+        }
+    }
+
+    /// Sends a request with its frames; returns the success header and reply frames.
+    pub async fn call(
+        &self,
+        peer: PeerId,
+        req: &Request,
+        frames: &[Vec<u8>],
+    ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
+        for f in frames {
+            netio::check_frame_len(f.len() as u64, &self.limits)?;
+        }
+        let work = async {
+            let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
+            exchange(stream, req, frames, &self.limits).await
+        };
+        let (header, reply) = tokio::time::timeout(self.timeout, work)
+            .await
+            .map_err(|_| CallError::Timeout(self.timeout))??;
+        if let Some(e) = header.error {
+            return Err(CallError::Remote {
+                kind: e.kind,
+                message: e.message,
+            });
+        }
+        Ok((header, reply))
+    }
+
+    /// Forward through `stage` on `peer`.
+    pub async fn forward(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        step: u64,
+        mb: u64,
+        input: &Tensor,
+    ) -> Result<Tensor, CallError> {
+        let frame = tensor::encode(input, &self.codec)?;
+        let req = self.request(stage, step, mb, Op::Forward, 1);
+        let (_, frames) = self.call(peer, &req, &[frame]).await?;
+        let f = frames
+            .first()
+            .ok_or_else(|| CallError::Protocol("forward reply has no tensor".into()))?;
+        Ok(tensor::decode(f, &self.limits, &self.device)?.tensor)
+    }
+
+    /// Backward through `stage` on `peer`: `upstream` is the gradient of its output, or
+    /// the targets on the last stage.
+    pub async fn backward(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        step: u64,
+        mb: u64,
+        input: &Tensor,
+        upstream: &Tensor,
+    ) -> Result<BackwardReply, CallError> {
+        let frames = [
+            tensor::encode(input, &self.codec)?,
+            tensor::encode(upstream, &self.codec)?,
+        ];
+        let req = self.request(stage, step, mb, Op::Backward, 2);
+        let (header, frames) = self.call(peer, &req, &frames).await?;
+        let grad_input = match frames.first() {
+            Some(f) => Some(tensor::decode(f, &self.limits, &self.device)?.tensor),
+            None => None,
+        };
+        Ok(BackwardReply {
+            loss: header.loss,
+            grad_input,
+            step: header.step,
+        })
+    }
+
+    /// The replica's own announcement, as JSON.
+    pub async fn info(&self, peer: PeerId, stage: usize) -> Result<Response, CallError> {
+        let req = self.request(stage, 0, 0, Op::Info, 0);
+        Ok(self.call(peer, &req, &[]).await?.0)
+    }
+}
+
+/// Writes the request and reads the response concurrently on one stream.
+pub async fn exchange(
+    stream: libp2p::Stream,
+    req: &Request,
+    frames: &[Vec<u8>],
+    limits: &Limits,
+) -> Result<(Response, Vec<Vec<u8>>), CallError> {
+    let (mut r, mut w) = stream.split();
+    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+    let write = async {
+        netio::write_message(&mut w, req, &refs).await?;
+        w.close().await.map_err(IoError::from)
+    };
+    let read = async {
+        let head = netio::read_header(&mut r).await?;
+        let header = msg::decode_response(&head)?;
+        let mut out = Vec::with_capacity(header.tensors as usize);
+        for _ in 0..header.tensors {
+            out.push(netio::read_frame(&mut r, limits).await?);
+        }
+        Ok::<_, IoError>((header, out))
+    };
+    tokio::pin!(write, read);
+    let mut write_err = None;
+    let mut writing = true;
+    loop {
+        tokio::select! {
+            w = &mut write, if writing => {
+                writing = false;
+                if let Err(e) = w {
+                    write_err = Some(e);
+                }
+            }
+            r = &mut read => {
+                return match (r, write_err) {
+                    (Ok(x), _) => Ok(x),
+                    (Err(_), Some(we)) => Err(we.into()),
+                    (Err(re), None) => Err(re.into()),
+                };
+            }
+        }
+    }
+}

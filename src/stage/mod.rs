@@ -1,0 +1,27 @@
+//! A replica: serves one stage of one run over the network, and the peer built around it.
+//!
+//! - [`service`]: the stage protocol server: streams in, a bounded queue, one compute
+//!   thread that owns the candle stage, typed errors out.
+//! - [`client`]: calls a remote stage (forward, backward, info).
+//! - [`registry`]: the typed DHT operations (manifest, announcements, swarm view).
+//! - [`select`]: pure choice of the stage to serve and the bottleneck.
+//! - [`peer`]: `shoal peer`: start the network, find or publish the run, pick a stage,
+//!   measure throughput, serve and announce until told to stop.
+//! - [`status`]: what `shoal status` prints.
+//! - [`tensor`]: candle tensors to wire frames.
+//!
+//! Not here: routing of microbatches across replicas and gradient averaging (trainer and
+//! averaging layers).
+
+pub mod client;
+pub mod peer;
+pub mod registry;
+pub mod select;
+pub mod service;
+pub mod status;
+pub mod tensor;
+
+use libp2p::StreamProtocol;
+
+/// The stage call protocol.
+pub const STAGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/stage/1.0.0");

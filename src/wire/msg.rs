@@ -1,0 +1,271 @@
+//! Stage-protocol messages as bytes: the request and response headers of one stream.
+//!
+//! A call on the stage protocol is one stream carrying one request and one response:
+//!
+//! ```text
+//! u32 LE header length | header (JSON, ≤ MAX_HEADER) | n × (u64 LE frame length | frame)
+//! ```
+//!
+//! `n` is the header's `tensors` field and each frame is a [`super::frame`] tensor frame.
+//! Headers are small JSON objects (they carry ids and numbers, never tensor data); tensors
+//! always travel as frames, so a reader checks each length against its limit before it
+//! allocates. Pure code: the async reading and writing lives in `net::io`.
+
+use serde::{Deserialize, Serialize};
+
+/// Largest header a reader accepts.
+pub const MAX_HEADER: usize = 64 << 10;
+
+/// The version of this message format.
+pub const MSG_VERSION: u8 = 1;
+
+/// Most tensor frames one message may carry.
+pub const MAX_TENSORS: u8 = 8;
+
+/// What a request asks the stage to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    /// `[input]` → `[output]`: activations, or logits on the last stage.
+    Forward,
+    /// `[input, grad of output]` (or `[input, targets]` on the last stage) → `[grad of
+    /// input]` (none on stage 0), the loss on the last stage. Accumulates the parameter
+    /// gradients on the replica.
+    Backward,
+    /// No tensors → the replica's current announcement in `info`.
+    Info,
+}
+
+/// The header of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// Message format version.
+    pub v: u8,
+    /// The run id the caller trains.
+    pub run: String,
+    /// The stage it means to call.
+    pub stage: u32,
+    /// The optimizer step the caller is at.
+    pub step: u64,
+    /// Microbatch id (unique per trainer and microbatch).
+    pub mb: u64,
+    /// What to do.
+    pub op: Op,
+    /// Tensor frames that follow.
+    pub tensors: u8,
+}
+
+/// Why a replica refused a request. Stable names: trainers branch on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The replica does not serve this run.
+    UnknownRun,
+    /// The replica serves another stage.
+    WrongStage,
+    /// The caller's step is too far behind the replica's.
+    StaleStep,
+    /// A tensor has the wrong shape or dtype, or does not decode.
+    BadTensor,
+    /// An input holds NaN or ±inf.
+    NonFinite,
+    /// A frame is over the replica's size limit.
+    TooLarge,
+    /// The request queue is full; try another replica.
+    Overloaded,
+    /// The request itself is malformed.
+    BadRequest,
+    /// The replica failed while computing.
+    Internal,
+}
+
+impl ErrorKind {
+    /// The wire name, as in the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::UnknownRun => "unknown_run",
+            Self::WrongStage => "wrong_stage",
+            Self::StaleStep => "stale_step",
+            Self::BadTensor => "bad_tensor",
+            Self::NonFinite => "non_finite",
+            Self::TooLarge => "too_large",
+            Self::Overloaded => "overloaded",
+            Self::BadRequest => "bad_request",
+            Self::Internal => "internal",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The header of a response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Response {
+    /// Message format version.
+    pub v: u8,
+    /// `None` on success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<RemoteError>,
+    /// The loss, from a backward on the last stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f32>,
+    /// The replica's step when it answered.
+    pub step: u64,
+    /// Requests waiting or running on the replica when it answered.
+    pub queue: u32,
+    /// The replica's announcement (JSON record), for [`Op::Info`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub info: Option<String>,
+    /// Tensor frames that follow.
+    pub tensors: u8,
+}
+
+/// A typed refusal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteError {
+    /// What kind.
+    pub kind: ErrorKind,
+    /// One line for humans.
+    pub message: String,
+}
+
+impl Response {
+    /// A success header carrying `tensors` frames.
+    pub fn ok(step: u64, queue: u32, tensors: u8) -> Self {
+        Self {
+            v: MSG_VERSION,
+            error: None,
+            loss: None,
+            step,
+            queue,
+            info: None,
+            tensors,
+        }
+    }
+
+    /// A refusal.
+    pub fn err(kind: ErrorKind, message: impl Into<String>, step: u64, queue: u32) -> Self {
+        Self {
+            error: Some(RemoteError {
+                kind,
+                message: message.into(),
+            }),
+            ..Self::ok(step, queue, 0)
+        }
+    }
+}
+
+/// Why a header did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MsgError {
+    /// Longer than [`MAX_HEADER`].
+    #[error("message header of {0} bytes is over the {MAX_HEADER}-byte limit")]
+    HeaderTooLarge(u64),
+    /// Not the JSON we expect.
+    #[error("malformed message header: {0}")]
+    Malformed(String),
+    /// A version this build does not speak.
+    #[error("message version {0} is not supported (this build speaks {MSG_VERSION})")]
+    Version(u8),
+    /// More frames than [`MAX_TENSORS`].
+    #[error("message declares {0} tensors, at most {MAX_TENSORS} are allowed")]
+    TooManyTensors(u8),
+}
+
+/// Serialises a header with its u32 length prefix.
+pub fn encode_header<T: Serialize>(header: &T) -> Vec<u8> {
+    // Serialising these plain structs cannot fail; an empty object keeps us panic-free.
+    let json = serde_json::to_vec(header).unwrap_or_else(|_| b"{}".to_vec());
+    let mut out = Vec::with_capacity(4 + json.len());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    out
+}
+
+/// Checks a header length prefix before the header is read.
+pub fn check_header_len(len: u32) -> Result<usize, MsgError> {
+    if len as usize > MAX_HEADER {
+        return Err(MsgError::HeaderTooLarge(len as u64));
+    }
+    Ok(len as usize)
+}
+
+/// Parses a request header (without its length prefix).
+pub fn decode_request(bytes: &[u8]) -> Result<Request, MsgError> {
+    let r: Request =
+        serde_json::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    if r.v != MSG_VERSION {
+        return Err(MsgError::Version(r.v));
+    }
+    if r.tensors > MAX_TENSORS {
+        return Err(MsgError::TooManyTensors(r.tensors));
+    }
+    Ok(r)
+}
+
+/// Parses a response header (without its length prefix).
+pub fn decode_response(bytes: &[u8]) -> Result<Response, MsgError> {
+    let r: Response =
+        serde_json::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    if r.v != MSG_VERSION {
+        return Err(MsgError::Version(r.v));
+    }
+    if r.tensors > MAX_TENSORS {
+        return Err(MsgError::TooManyTensors(r.tensors));
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trip() {
+        let r = Request {
+            v: MSG_VERSION,
+            run: "ab".into(),
+            stage: 2,
+            step: 7,
+            mb: 99,
+            op: Op::Backward,
+            tensors: 2,
+        };
+        let bytes = encode_header(&r);
+        let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        assert_eq!(len as usize, bytes.len() - 4);
+        assert_eq!(decode_request(&bytes[4..]), Ok(r));
+    }
+
+    #[test]
+    fn refuses_bad_headers() {
+        assert!(matches!(
+            decode_request(b"{\"v\":1}"),
+            Err(MsgError::Malformed(_))
+        ));
+        assert!(matches!(
+            check_header_len(MAX_HEADER as u32 + 1),
+            Err(MsgError::HeaderTooLarge(_))
+        ));
+        let mut r = Response::ok(0, 0, 0);
+        r.tensors = 200;
+        let bytes = encode_header(&r);
+        assert_eq!(
+            decode_response(&bytes[4..]),
+            Err(MsgError::TooManyTensors(200))
+        );
+        r.tensors = 0;
+        r.v = 9;
+        assert_eq!(
+            decode_response(&encode_header(&r)[4..]),
+            Err(MsgError::Version(9))
+        );
+    }
+}
