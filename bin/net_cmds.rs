@@ -187,16 +187,21 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
             listen.push(net::parse_addr("/ip4/0.0.0.0/udp/0/quic-v1")?);
         }
     }
+    let run = RunSource::parse(&a.run);
+    if let RunSource::File(p) = &run {
+        // A typo in the run file should fail before any key is created.
+        Manifest::load(p)?;
+    }
     let (identity, created) = keys::load_or_create_identity(&a.identity)?;
     if created {
-        eprintln!("created identity {}", a.identity.display());
+        println!("created identity {}", a.identity.display());
     }
     let mut netcfg = net_config(&a.net, identity, listen)?;
     netcfg.relay_server = a.relay_server;
     let ttl = Duration::from_secs(a.announce_ttl);
     netcfg.provider_ttl = ttl.max(Duration::from_secs(5));
     let cfg = PeerConfig {
-        run: RunSource::parse(&a.run),
+        run,
         net: netcfg,
         bootstrap,
         stage,

@@ -171,7 +171,7 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
     let control = swarm.behaviour().stream.new_control();
     let local = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(task::run(swarm, rx, cfg.verbose));
+    tokio::spawn(task::run(swarm, rx, cfg.verbose, cfg.relay_server));
     Ok(NetHandle { tx, control, local })
 }
 

@@ -7,7 +7,7 @@ use futures::StreamExt;
 use libp2p::kad::store::RecordStore;
 use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record};
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, SwarmEvent};
 use libp2p::{identify, Multiaddr, PeerId, Swarm};
 use std::collections::{HashMap, HashSet};
@@ -26,12 +26,14 @@ struct State {
     queries: HashMap<QueryId, Pending>,
     conns: HashMap<ConnectionId, ConnectionInfo>,
     verbose: bool,
+    relay_server: bool,
 }
 
 pub(crate) async fn run(
     mut swarm: Swarm<Behaviour>,
     mut rx: mpsc::Receiver<Command>,
     verbose: bool,
+    relay_server: bool,
 ) {
     let mut st = State {
         listen: Vec::new(),
@@ -39,6 +41,7 @@ pub(crate) async fn run(
         queries: HashMap::new(),
         conns: HashMap::new(),
         verbose,
+        relay_server,
     };
     loop {
         tokio::select! {
@@ -72,9 +75,15 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             let _ = reply.send(addrs);
         }
         Command::Dial(addr, reply) => {
+            if let Some(peer) = super::peer_of(&addr).filter(|p| swarm.is_connected(p)) {
+                swarm.behaviour_mut().kad.add_address(&peer, addr);
+                let _ = reply.send(Ok(peer));
+                return;
+            }
             let opts = match super::peer_of(&addr) {
                 Some(peer) => DialOpts::peer_id(peer)
                     .addresses(vec![addr.clone()])
+                    .condition(PeerCondition::Always)
                     .build(),
                 None => DialOpts::unknown_peer_id().address(addr.clone()).build(),
             };
@@ -164,6 +173,12 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
 fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<BehaviourEvent>) {
     match event {
         SwarmEvent::NewListenAddr { address, .. } if !st.listen.contains(&address) => {
+            // A relay advertises its service only with a confirmed external address; the
+            // operator who turned it on vouches that its listen addresses are reachable.
+            let circuit = address.iter().any(|p| matches!(p, Protocol::P2pCircuit));
+            if st.relay_server && !circuit {
+                swarm.add_external_address(address.clone());
+            }
             st.listen.push(address);
         }
         SwarmEvent::ExpiredListenAddr { address, .. } => st.listen.retain(|a| a != &address),

@@ -1,0 +1,597 @@
+//! Real peers on 127.0.0.1 in one process: discovery, remote stages, private swarms,
+//! relays and bad input. Tiny models; every peer runs real candle stages.
+
+use candle_core::{DType, Device, Tensor};
+use futures::{AsyncReadExt, AsyncWriteExt};
+use libp2p::{Multiaddr, PeerId};
+use shoal::config::RunConfig;
+use shoal::data::{Sampler, TokenSource};
+use shoal::dht::Manifest;
+use shoal::model::{Stage, Upstream};
+use shoal::net::{self, keys, NetConfig, NetHandle};
+use shoal::stage::client::{exchange, CallError, StageClient};
+use shoal::stage::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
+use shoal::stage::service::ServiceConfig;
+use shoal::stage::{registry, STAGE_PROTOCOL};
+use shoal::wire::msg::{ErrorKind, Op, Request, MSG_VERSION};
+use shoal::wire::{CodecSpec, Limits};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+fn loopback() -> Vec<Multiaddr> {
+    vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()]
+}
+
+fn manifest_file(dir: &tempfile::TempDir, cfg: &RunConfig) -> (Manifest, PathBuf) {
+    let m = Manifest::from_config(cfg).unwrap();
+    let path = dir.path().join(format!("run-{}.toml", &m.id[..8]));
+    std::fs::write(&path, m.file_text()).unwrap();
+    (m, path)
+}
+
+fn peer_config(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> PeerConfig {
+    PeerConfig {
+        run,
+        net: NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), loopback()),
+        bootstrap,
+        stage,
+        device: Device::Cpu,
+        device_name: "cpu".into(),
+        announce_ttl: Duration::from_secs(30),
+        service: ServiceConfig::default(),
+        bench_budget: Duration::from_millis(30),
+    }
+}
+
+async fn start(cfg: PeerConfig) -> Result<Peer, PeerError> {
+    Peer::start(cfg, &|_line: String| {}).await
+}
+
+/// A DHT client (not serving) joined through `boot`.
+async fn client(boot: &Multiaddr, key: Option<libp2p::pnet::PreSharedKey>) -> NetHandle {
+    let mut cfg = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), Vec::new());
+    cfg.dht_server = false;
+    cfg.swarm_key = key;
+    let h = net::start(cfg).unwrap();
+    h.dial(boot.clone()).await.unwrap();
+    h
+}
+
+fn three_stage(codec: CodecSpec) -> RunConfig {
+    let mut cfg = RunConfig::tiny();
+    cfg.stages.count = 3;
+    cfg.stages.cuts.clear();
+    cfg.training.batch_size = 4;
+    cfg.codecs.activations = codec;
+    cfg.validate().unwrap();
+    cfg
+}
+
+fn batch(cfg: &RunConfig) -> (Tensor, Tensor) {
+    let src = TokenSource::open(cfg).unwrap();
+    let b = Sampler::new(cfg.training.data_seed, 0).next_batch(
+        &src,
+        cfg.training.batch_size,
+        cfg.model.seq_len,
+    );
+    let shape = (b.batch, b.seq_len);
+    (
+        Tensor::from_vec(b.inputs, shape, &Device::Cpu).unwrap(),
+        Tensor::from_vec(b.targets, shape, &Device::Cpu).unwrap(),
+    )
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0.0, |m, x| m.max(x.abs()))
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64) * (*y as f64))
+        .sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+struct Pass {
+    a1: Vec<f32>,
+    a2: Vec<f32>,
+    loss: f32,
+    g2: Vec<f32>,
+    g1: Vec<f32>,
+}
+
+fn local_pass(cfg: &RunConfig, x: &Tensor, y: &Tensor) -> Pass {
+    let s: Vec<Stage> = (0..3)
+        .map(|i| Stage::new(cfg, i, &Device::Cpu).unwrap())
+        .collect();
+    let a1 = s[0].forward(x).unwrap();
+    let a2 = s[1].forward(&a1).unwrap();
+    let b2 = s[2].backward(&a2, Upstream::Targets(y)).unwrap();
+    let g2 = b2.grad_input.unwrap();
+    let b1 = s[1].backward(&a1, Upstream::Grad(&g2)).unwrap();
+    let g1 = b1.grad_input.unwrap();
+    s[0].backward(x, Upstream::Grad(&g1)).unwrap();
+    Pass {
+        a1: flat(&a1),
+        a2: flat(&a2),
+        loss: b2.loss.unwrap(),
+        g2: flat(&g2),
+        g1: flat(&g1),
+    }
+}
+
+async fn remote_pass(c: &StageClient, peers: &[PeerId], x: &Tensor, y: &Tensor) -> Pass {
+    let a1 = c.forward(peers[0], 0, 0, 1, x).await.unwrap();
+    let a2 = c.forward(peers[1], 1, 0, 1, &a1).await.unwrap();
+    let b2 = c.backward(peers[2], 2, 0, 1, &a2, y).await.unwrap();
+    let g2 = b2.grad_input.unwrap();
+    let b1 = c.backward(peers[1], 1, 0, 1, &a1, &g2).await.unwrap();
+    let g1 = b1.grad_input.unwrap();
+    let b0 = c.backward(peers[0], 0, 0, 1, x, &g1).await.unwrap();
+    assert!(b0.grad_input.is_none(), "stage 0 has no input gradient");
+    Pass {
+        a1: flat(&a1),
+        a2: flat(&a2),
+        loss: b2.loss.unwrap(),
+        g2: flat(&g2),
+        g1: flat(&g1),
+    }
+}
+
+/// Starts one peer per stage of `cfg`, the first as bootstrap.
+async fn pipeline(dir: &tempfile::TempDir, cfg: &RunConfig) -> (Manifest, Vec<Peer>) {
+    let (m, path) = manifest_file(dir, cfg);
+    let boot = start(peer_config(
+        RunSource::File(path.clone()),
+        vec![],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
+    let addr = boot.addrs()[0].clone();
+    let mut peers = vec![boot];
+    for s in 1..cfg.stages.count {
+        let p = start(peer_config(
+            RunSource::Id(m.id.clone()),
+            vec![addr.clone()],
+            StageChoice::Index(s),
+        ))
+        .await
+        .unwrap();
+        peers.push(p);
+    }
+    (m, peers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_peers_find_every_stage_and_the_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = RunConfig::tiny();
+    cfg.stages.count = 4;
+    cfg.stages.cuts.clear();
+    cfg.training.batch_size = 2;
+    let (m, path) = manifest_file(&dir, &cfg);
+    let t0 = Instant::now();
+    let boot = start(peer_config(
+        RunSource::File(path),
+        vec![],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
+    let addr = boot.addrs()[0].clone();
+    let rest = futures::future::join_all((1..8).map(|i| {
+        start(peer_config(
+            RunSource::Id(m.id.clone()),
+            vec![addr.clone()],
+            StageChoice::Index(i % 4),
+        ))
+    }))
+    .await;
+    let mut peers = vec![boot];
+    for p in rest {
+        peers.push(p.unwrap());
+    }
+    let ids: std::collections::BTreeSet<String> = peers
+        .iter()
+        .map(|p| p.net().local_peer_id().to_string())
+        .collect();
+    assert_eq!(ids.len(), 8);
+    // Every peer must see every announcement of every stage, and the manifest.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut pending: Vec<usize> = (0..8).collect();
+    while !pending.is_empty() && Instant::now() < deadline {
+        let mut still = Vec::new();
+        for &i in &pending {
+            let net = peers[i].net();
+            let per_stage = registry::read_run(net, &m.id, 4).await.unwrap();
+            let seen: std::collections::BTreeSet<String> =
+                per_stage.iter().flatten().map(|a| a.peer.clone()).collect();
+            let stages_ok = per_stage.iter().all(|s| s.len() == 2);
+            let manifest_ok = registry::fetch_manifest(net, &m.id, Duration::ZERO)
+                .await
+                .map(|got| got == m)
+                .unwrap_or(false);
+            if !(seen == ids && stages_ok && manifest_ok) {
+                still.push(i);
+            }
+        }
+        pending = still;
+        if !pending.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    assert!(
+        pending.is_empty(),
+        "peers {pending:?} did not see all 8 announcements and the manifest within 10 s"
+    );
+    eprintln!(
+        "8 peers started and saw each other in {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    for p in peers {
+        p.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_pipeline_equals_local_exactly_with_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    let (m, peers) = pipeline(&dir, &cfg).await;
+    let c = client(&peers[0].addrs()[0], None).await;
+    let ids: Vec<PeerId> = peers.iter().map(|p| p.net().local_peer_id()).collect();
+    for p in &peers {
+        c.add_addresses(p.net().local_peer_id(), p.addrs().to_vec())
+            .await
+            .unwrap();
+    }
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let (x, y) = batch(&cfg);
+    let local = local_pass(&cfg, &x, &y);
+    let remote = remote_pass(&sc, &ids, &x, &y).await;
+    assert_eq!(local.a1, remote.a1);
+    assert_eq!(local.a2, remote.a2);
+    assert_eq!(local.loss, remote.loss);
+    assert_eq!(local.g2, remote.g2);
+    assert_eq!(local.g1, remote.g1);
+    for p in &peers {
+        let n = p
+            .service()
+            .counters()
+            .samples_accumulated
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(n, cfg.training.batch_size as u64, "stage {}", p.stage());
+    }
+    for p in peers {
+        p.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_pipeline_with_int8_is_within_the_codec_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::INT8);
+    let (m, peers) = pipeline(&dir, &cfg).await;
+    let c = client(&peers[0].addrs()[0], None).await;
+    let ids: Vec<PeerId> = peers.iter().map(|p| p.net().local_peer_id()).collect();
+    for p in &peers {
+        c.add_addresses(p.net().local_peer_id(), p.addrs().to_vec())
+            .await
+            .unwrap();
+    }
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::INT8);
+    let (x, y) = batch(&cfg);
+    let local = local_pass(&cfg, &x, &y);
+    let remote = remote_pass(&sc, &ids, &x, &y).await;
+    // One int8 hop: each value is off by at most half a block scale, ≤ absmax/127 overall.
+    let bound = max_abs(&local.a1) * (1.0 + 1.0 / 128.0) / 254.0;
+    let d1 = max_diff(&local.a1, &remote.a1);
+    assert!(d1 <= bound * 1.0001, "a1 off by {d1}, bound {bound}");
+    assert_ne!(local.a1, remote.a1, "int8 should not be exact");
+    // Later values went through several quantized hops: close, not exact.
+    assert!(cosine(&local.a2, &remote.a2) > 0.999);
+    assert!((local.loss - remote.loss).abs() / local.loss < 0.01);
+    assert!(cosine(&local.g2, &remote.g2) > 0.99);
+    assert!(cosine(&local.g1, &remote.g1) > 0.99);
+    for p in peers {
+        p.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_key_keeps_outsiders_out_both_ways() {
+    let key = keys::new_swarm_key().unwrap();
+    let other_key = keys::new_swarm_key().unwrap();
+    let node = |k: Option<libp2p::pnet::PreSharedKey>| {
+        let mut cfg = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), loopback());
+        cfg.swarm_key = k;
+        net::start(cfg).unwrap()
+    };
+    let keyed = node(Some(key));
+    let keyed2 = node(Some(key));
+    let wrong = node(Some(other_key));
+    let open = node(None);
+    let addr = |h: NetHandle| async move {
+        h.wait_listening(1, Duration::from_secs(5)).await.unwrap()[0].clone()
+    };
+    let keyed_addr = addr(keyed.clone()).await;
+    let open_addr = addr(open.clone()).await;
+    let timeout = Duration::from_secs(30);
+    // Same key: connects.
+    let r = tokio::time::timeout(timeout, keyed2.dial(keyed_addr.clone())).await;
+    assert_eq!(r.unwrap().unwrap(), keyed.local_peer_id());
+    // No key into a private swarm, a private peer into an open one, a wrong key: all fail.
+    let (a, b, c) = tokio::join!(
+        tokio::time::timeout(timeout, open.dial(keyed_addr.clone())),
+        tokio::time::timeout(timeout, keyed.dial(open_addr)),
+        tokio::time::timeout(timeout, wrong.dial(keyed_addr)),
+    );
+    assert!(
+        a.unwrap().is_err(),
+        "a keyless peer connected to a keyed one"
+    );
+    assert!(
+        b.unwrap().is_err(),
+        "a keyed peer connected to a keyless one"
+    );
+    assert!(c.unwrap().is_err(), "a peer with another key connected");
+    for h in [&keyed, &keyed2, &wrong, &open] {
+        let conns = h.connections().await.unwrap();
+        for c in conns {
+            let pair = [h.local_peer_id(), c.peer];
+            assert!(
+                pair.contains(&keyed.local_peer_id()) && pair.contains(&keyed2.local_peer_id()),
+                "unexpected connection {pair:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_swarm_peer_serves_and_outsider_cannot_join() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    let (m, path) = manifest_file(&dir, &cfg);
+    let key = keys::new_swarm_key().unwrap();
+    let mut bcfg = peer_config(RunSource::File(path.clone()), vec![], StageChoice::Index(0));
+    bcfg.net.swarm_key = Some(key);
+    let boot = start(bcfg).await.unwrap();
+    let addr = boot.addrs()[0].clone();
+    let mut icfg = peer_config(
+        RunSource::Id(m.id.clone()),
+        vec![addr.clone()],
+        StageChoice::Auto,
+    );
+    icfg.net.swarm_key = Some(key);
+    let insider = start(icfg).await.unwrap();
+    assert_eq!(insider.stage(), 1, "auto picks an empty stage");
+    let outsider = start(peer_config(
+        RunSource::File(path),
+        vec![addr],
+        StageChoice::Auto,
+    ))
+    .await;
+    assert!(matches!(outsider, Err(PeerError::Bootstrap(_))));
+    insider.stop().await;
+    boot.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_behind_a_relay_serves_a_forward_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::INT8);
+    let (m, path) = manifest_file(&dir, &cfg);
+    let mut rcfg = peer_config(RunSource::File(path), vec![], StageChoice::Index(0));
+    rcfg.net.relay_server = true;
+    let relay = start(rcfg).await.unwrap();
+    let raddr = relay.addrs()[0].clone();
+    // The hidden peer listens only through the relay: no direct address at all.
+    let circuit: Multiaddr = format!("{raddr}/p2p-circuit").parse().unwrap();
+    let mut hcfg = peer_config(
+        RunSource::Id(m.id.clone()),
+        vec![raddr.clone()],
+        StageChoice::Index(1),
+    );
+    hcfg.net.listen = vec![circuit];
+    let hidden = start(hcfg).await.unwrap();
+    let hid = hidden.net().local_peer_id();
+    assert!(!hidden.addrs().is_empty());
+    for a in hidden.addrs() {
+        assert!(a.to_string().contains("/p2p-circuit"), "direct address {a}");
+    }
+    // A caller learns the hidden peer's address from its announcement, as a trainer would.
+    let c = client(&raddr, None).await;
+    let mut anns = Vec::new();
+    for _ in 0..50 {
+        anns = registry::read_stage(&c, &m.id, 1).await.unwrap();
+        if !anns.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(anns.len(), 1);
+    let addrs: Vec<Multiaddr> = anns[0].addrs.iter().map(|a| a.parse().unwrap()).collect();
+    c.add_addresses(hid, addrs).await.unwrap();
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::INT8);
+    let act = Tensor::randn(0f32, 1.0, (2, 16, cfg.model.d_model), &Device::Cpu).unwrap();
+    let out = sc.forward(hid, 1, 0, 7, &act).await.unwrap();
+    assert_eq!(out.dims(), &[2, 16, cfg.model.d_model]);
+    let conns = c.connections().await.unwrap();
+    let to_hidden: Vec<_> = conns.iter().filter(|c| c.peer == hid).collect();
+    assert!(!to_hidden.is_empty());
+    assert!(to_hidden.iter().all(|c| c.relayed), "{to_hidden:?}");
+    hidden.stop().await;
+    relay.stop().await;
+}
+
+/// Sends raw bytes on a stage stream and returns whatever comes back.
+async fn raw(c: &NetHandle, peer: PeerId, bytes: &[u8]) -> Vec<u8> {
+    let mut s = c.open_stream(peer, STAGE_PROTOCOL).await.unwrap();
+    let _ = s.write_all(bytes).await;
+    let _ = s.close().await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    out
+}
+
+fn header_bytes(req: &Request) -> Vec<u8> {
+    shoal::wire::msg::encode_header(req)
+}
+
+fn response_kind(bytes: &[u8]) -> Option<ErrorKind> {
+    if bytes.len() < 4 {
+        return None;
+    }
+    let n = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+    let r = shoal::wire::msg::decode_response(&bytes[4..4 + n]).ok()?;
+    r.error.map(|e| e.kind)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    let (m, path) = manifest_file(&dir, &cfg);
+    let p = start(peer_config(
+        RunSource::File(path),
+        vec![],
+        StageChoice::Index(1),
+    ))
+    .await
+    .unwrap();
+    let pid = p.net().local_peer_id();
+    let c = client(&p.addrs()[0], None).await;
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let d = cfg.model.d_model;
+    let good = Tensor::randn(0f32, 1.0, (2, 8, d), &Device::Cpu).unwrap();
+    let req = |tensors: u8| Request {
+        v: MSG_VERSION,
+        run: m.id.clone(),
+        stage: 1,
+        step: 0,
+        mb: 1,
+        op: Op::Forward,
+        tensors,
+    };
+    let check_alive = || async {
+        let out = sc
+            .forward(pid, 1, 0, 2, &good)
+            .await
+            .expect("a good request after garbage");
+        assert_eq!(out.dims(), &[2, 8, d]);
+    };
+    check_alive().await;
+
+    // 1. A truncated frame: the header promises 1000 bytes, 10 arrive, the stream closes.
+    let mut bytes = header_bytes(&req(1));
+    bytes.extend_from_slice(&1000u64.to_le_bytes());
+    bytes.extend_from_slice(&[7u8; 10]);
+    let back = raw(&c, pid, &bytes).await;
+    assert!(back.is_empty() || response_kind(&back).is_some());
+    check_alive().await;
+
+    // 2. A frame over the size limit: refused before anything is allocated, typed error.
+    let mut bytes = header_bytes(&req(1));
+    bytes.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    let back = raw(&c, pid, &bytes).await;
+    assert_eq!(response_kind(&back), Some(ErrorKind::TooLarge));
+    check_alive().await;
+    // The client refuses to send one too, with its own typed error.
+    let small = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32).with_limits(Limits {
+        max_elements: 16,
+        max_bytes: 64,
+    });
+    let e = small.forward(pid, 1, 0, 3, &good).await.unwrap_err();
+    assert!(matches!(e, CallError::Io(_)), "{e}");
+
+    // 3. A well-formed frame of the wrong shape and dtype.
+    let wrong = Tensor::zeros((2, 8, d + 1), DType::F32, &Device::Cpu).unwrap();
+    let e = sc.forward(pid, 1, 0, 4, &wrong).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::BadTensor), "{e}");
+    let ids = Tensor::zeros((2, 8), DType::U32, &Device::Cpu).unwrap();
+    let e = sc.forward(pid, 1, 0, 4, &ids).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::BadTensor), "{e}");
+    check_alive().await;
+
+    // 4. Random bytes.
+    let mut rng = shoal::rng::Rng::new(5);
+    for len in [1usize, 3, 4, 100, 5000] {
+        let junk: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+        let back = raw(&c, pid, &junk).await;
+        assert!(back.is_empty() || response_kind(&back).is_some());
+    }
+    check_alive().await;
+
+    // 5. NaN input, the wrong run, the wrong stage, the wrong tensor count.
+    let nan = (good.clone() * f64::NAN).unwrap();
+    let e = sc.forward(pid, 1, 0, 5, &nan).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::NonFinite), "{e}");
+    let other = StageClient::new(c.clone(), "0".repeat(32), CodecSpec::F32);
+    let e = other.forward(pid, 1, 0, 5, &good).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::UnknownRun), "{e}");
+    let e = sc.forward(pid, 2, 0, 5, &good).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::WrongStage), "{e}");
+    let s = c.open_stream(pid, STAGE_PROTOCOL).await.unwrap();
+    let r = exchange(s, &req(0), &[], &Limits::default()).await.unwrap();
+    assert_eq!(r.0.error.map(|e| e.kind), Some(ErrorKind::BadRequest));
+    check_alive().await;
+
+    let refused = p
+        .service()
+        .counters()
+        .refused
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(refused >= 6, "refused {refused}");
+    p.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_overloaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = three_stage(CodecSpec::F32);
+    cfg.training.batch_size = 16;
+    let (m, path) = manifest_file(&dir, &cfg);
+    let mut pc = peer_config(RunSource::File(path), vec![], StageChoice::Index(1));
+    pc.service.queue_cap = 1;
+    let p = start(pc).await.unwrap();
+    let pid = p.net().local_peer_id();
+    let c = client(&p.addrs()[0], None).await;
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let x = Tensor::randn(
+        0f32,
+        1.0,
+        (16, cfg.model.seq_len, cfg.model.d_model),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let y = (x.clone() * 1e-3).unwrap();
+    let results = futures::future::join_all((0..12).map(|i| {
+        let sc = sc.clone();
+        let (x, y) = (x.clone(), y.clone());
+        async move { sc.backward(pid, 1, 0, i, &x, &y).await }
+    }))
+    .await;
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    let overloaded = results
+        .iter()
+        .filter(|r| matches!(r, Err(e) if e.kind() == Some(ErrorKind::Overloaded)))
+        .count();
+    assert!(ok >= 1, "nothing was served");
+    assert!(overloaded >= 1, "no request was refused as overloaded");
+    assert_eq!(ok + overloaded, 12, "{results:?}");
+    p.stop().await;
+}
