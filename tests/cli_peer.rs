@@ -320,7 +320,7 @@ fn identity_persists_and_killed_peers_expire_from_status() {
         }
         std::thread::sleep(Duration::from_millis(300));
     }
-    assert_eq!(seen, [boot_id.clone()], "the killed peer left status");
+    assert_eq!(seen, vec![boot_id.clone()], "the killed peer left status");
     eprintln!(
         "killed peer left status after {:.1} s (ttl 3 s)",
         killed_at.elapsed().as_secs_f64()
