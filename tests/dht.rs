@@ -78,15 +78,15 @@ fn announcements_validate_and_expire() {
         Err(RecordError::Malformed(_))
     ));
     // Inconsistent values.
-    let bad: Vec<Box<dyn Fn(&mut Announcement)>> = vec![
-        Box::new(|a| a.stage = 2),
-        Box::new(|a| a.stages = 0),
-        Box::new(|a| a.samples_per_s = f64::NAN),
-        Box::new(|a| a.samples_per_s = -1.0),
-        Box::new(|a| a.run = "xyz".into()),
-        Box::new(|a| a.expires_ms = a.issued_ms + 11 * 60 * 1000),
-        Box::new(|a| a.addrs = vec!["/ip4/1.2.3.4/tcp/1".into(); 33]),
-        Box::new(|a| a.v = 9),
+    let bad: [fn(&mut Announcement); 8] = [
+        |a| a.stage = 2,
+        |a| a.stages = 0,
+        |a| a.samples_per_s = f64::NAN,
+        |a| a.samples_per_s = -1.0,
+        |a| a.run = "xyz".into(),
+        |a| a.expires_ms = a.issued_ms + 11 * 60 * 1000,
+        |a| a.addrs = vec!["/ip4/1.2.3.4/tcp/1".into(); 33],
+        |a| a.v = 9,
     ];
     for (i, f) in bad.iter().enumerate() {
         let mut b = a.clone();
