@@ -89,6 +89,18 @@ pub struct StatusArgs {
     json: bool,
 }
 
+#[derive(Args)]
+pub struct ProbeArgs {
+    #[command(flatten)]
+    net: NetArgs,
+    /// The run id (or its manifest file).
+    #[arg(long, value_name = "ID|FILE")]
+    run: String,
+    /// Also compute the pass locally from the initial parameters and compare the loss.
+    #[arg(long)]
+    check: bool,
+}
+
 pub fn run_new(config: PathBuf, out: PathBuf) -> Result<ExitCode> {
     let m = Manifest::load(&config)?;
     shoal::model::checkpoint::write_atomic(&out, m.file_text().as_bytes())
@@ -256,5 +268,87 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
     } else {
         print!("{}", status::render(&runs));
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
+    if a.net.bootstrap.is_empty() {
+        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
+    }
+    let source = RunSource::parse(&a.run);
+    let from_file = match &source {
+        RunSource::File(p) => Some(Manifest::load(p)?),
+        RunSource::Id(_) => None,
+    };
+    let bootstrap = parse_addrs(&a.net.bootstrap)?;
+    let mut cfg = net_config(
+        &a.net,
+        libp2p::identity::Keypair::generate_ed25519(),
+        Vec::new(),
+    )?;
+    cfg.dht_server = false;
+    let rt = runtime()?;
+    let (m, report) = rt.block_on(async move {
+        let handle = net::start(cfg)?;
+        shoal::stage::peer::join(&handle, &bootstrap).await?;
+        let m = match (from_file, source) {
+            (Some(m), _) => m,
+            (None, RunSource::Id(id)) => {
+                shoal::stage::registry::fetch_manifest(&handle, &id, Duration::from_secs(5)).await?
+            }
+            (None, RunSource::File(p)) => Manifest::load(&p)?,
+        };
+        let report = shoal::stage::probe::probe(&handle, &m, a.check).await?;
+        handle.shutdown().await;
+        Ok::<_, anyhow::Error>((m, report))
+    })?;
+    println!(
+        "probe of run {}: one microbatch of {} sequences",
+        m.id, m.config.training.batch_size
+    );
+    for h in &report.hops {
+        println!(
+            "  stage {} {:<8} on {}  {:>8.1} ms",
+            h.stage, h.op, h.peer, h.ms
+        );
+    }
+    let total: f64 = report.hops.iter().map(|h| h.ms).sum();
+    println!("loss {:.6} after {total:.1} ms of calls", report.loss);
+    if let Some(l) = report.local_loss {
+        let diff = (l - report.loss).abs();
+        println!("local loss {l:.6} (difference {diff:.2e}; exact with f32 activations at step 0)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn bench_transfer(
+    mib: usize,
+    reps: usize,
+    codecs: Option<String>,
+    quic: bool,
+) -> Result<ExitCode> {
+    if mib == 0 || mib > 256 {
+        bail!("--mib must be between 1 and 256 (the frame limit)");
+    }
+    let mut cfg = shoal::bench::transfer::TransferBenchConfig {
+        mib,
+        reps: reps.max(1),
+        quic,
+        ..Default::default()
+    };
+    if let Some(list) = codecs {
+        cfg.codecs = list
+            .split(',')
+            .map(crate::parse_codec)
+            .collect::<Result<_>>()?;
+    }
+    println!(
+        "transfer benchmark: one {mib} MiB f32 tensor between two peers on 127.0.0.1 over {}, median of {}",
+        if quic { "QUIC" } else { "TCP+noise+yamux" },
+        cfg.reps
+    );
+    let rt = runtime()?;
+    let rows = rt.block_on(shoal::bench::transfer::run(&cfg))?;
+    print!("{}", shoal::bench::transfer::table(&cfg, &rows));
     Ok(ExitCode::SUCCESS)
 }

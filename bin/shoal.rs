@@ -41,6 +41,8 @@ enum Command {
     Peer(net_cmds::PeerArgs),
     /// Show the swarm: replicas per stage, throughput, the bottleneck.
     Status(net_cmds::StatusArgs),
+    /// Push one microbatch forward and backward through the swarm, one replica per stage.
+    Probe(net_cmds::ProbeArgs),
     /// Private swarms: `swarm key --out FILE` makes a pre-shared key.
     Swarm {
         #[command(subcommand)]
@@ -105,9 +107,24 @@ enum BenchCommand {
         #[arg(long, value_name = "LIST")]
         codecs: Option<String>,
     },
+    /// One tensor between two real peers over loopback: encode, send, receive, decode.
+    Transfer {
+        /// Tensor size in MiB of f32.
+        #[arg(long, default_value_t = 32)]
+        mib: usize,
+        /// Timed repetitions (median and best are reported).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Comma-separated codecs (default: f32,int8).
+        #[arg(long, value_name = "LIST")]
+        codecs: Option<String>,
+        /// QUIC instead of TCP.
+        #[arg(long)]
+        quic: bool,
+    },
 }
 
-fn parse_codec(s: &str) -> Result<CodecSpec> {
+pub(crate) fn parse_codec(s: &str) -> Result<CodecSpec> {
     Ok(s.parse::<CodecSpec>()?)
 }
 
@@ -277,9 +294,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
         } => net_cmds::run_new(config, out),
         Command::Peer(a) => net_cmds::peer(a),
         Command::Status(a) => net_cmds::status(a),
+        Command::Probe(a) => net_cmds::probe(a),
         Command::Swarm {
             which: net_cmds::SwarmCommand::Key { out },
         } => net_cmds::swarm_key(out),
+        Command::Bench {
+            which:
+                BenchCommand::Transfer {
+                    mib,
+                    reps,
+                    codecs,
+                    quic,
+                },
+        } => net_cmds::bench_transfer(mib, reps, codecs, quic),
         Command::Bench {
             which:
                 BenchCommand::Codec {

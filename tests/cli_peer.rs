@@ -308,6 +308,31 @@ fn identity_persists_and_killed_peers_expire_from_status() {
         std::thread::sleep(Duration::from_millis(300));
     }
     assert_eq!(seen, want, "both peers in status");
+    // One microbatch through both stages over the network, checked against a local pass.
+    let out = shoal(
+        d,
+        &["probe", "--run", &run, "--bootstrap", &baddr, "--check"],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let loss = |prefix: &str| -> f64 {
+        let l = text.lines().find(|l| l.starts_with(prefix)).unwrap();
+        l.split_whitespace()
+            .nth(prefix.split(' ').count())
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (remote, local) = (loss("loss"), loss("local loss"));
+    assert!((remote - local).abs() < 1e-3 * local, "{text}");
+    assert!(
+        (remote - 16f64.ln()).abs() < 0.2,
+        "initial loss ≈ ln(vocab): {text}"
+    );
     // SIGKILL: no withdrawal; the announcement must expire on its own.
     let killed_at = Instant::now();
     victim.child.kill().unwrap();

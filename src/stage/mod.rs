@@ -8,6 +8,7 @@
 //! - [`peer`]: `shoal peer`: start the network, find or publish the run, pick a stage,
 //!   measure throughput, serve and announce until told to stop.
 //! - [`status`]: what `shoal status` prints.
+//! - [`probe`]: one microbatch through the swarm (`shoal probe`).
 //! - [`tensor`]: candle tensors to wire frames.
 //!
 //! Not here: routing of microbatches across replicas and gradient averaging (trainer and
@@ -15,6 +16,7 @@
 
 pub mod client;
 pub mod peer;
+pub mod probe;
 pub mod registry;
 pub mod select;
 pub mod service;
