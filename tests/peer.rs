@@ -486,6 +486,8 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
         mb: 1,
         op: Op::Forward,
         tensors,
+        avg: None,
+        chunk: None,
     };
     let check_alive = || async {
         let out = sc

@@ -108,6 +108,8 @@ impl StageClient {
             mb,
             op,
             tensors,
+            avg: None,
+            chunk: None,
         }
     }
 

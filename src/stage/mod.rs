@@ -18,6 +18,7 @@ pub mod client;
 pub mod peer;
 pub mod probe;
 pub mod registry;
+pub mod replica;
 pub mod select;
 pub mod service;
 pub mod status;

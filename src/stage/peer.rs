@@ -7,6 +7,7 @@
 //! announce and keep re-announcing at a third of the announcement's lifetime.
 
 use super::registry::{self, RegistryError};
+use super::replica::Replica;
 use super::select;
 use super::service::{measure_throughput, ServiceConfig, StageService};
 use crate::dht::{self, Announcement, Manifest, ManifestError};
@@ -193,10 +194,14 @@ impl Peer {
             2,
             cfg.bench_budget,
         )?;
+        let replica = Arc::new(std::sync::Mutex::new(Replica::new(
+            &manifest.config,
+            stage,
+        )?));
         let service = Arc::new(StageService::start(
             &net,
             &manifest,
-            stage,
+            replica,
             cfg.service.clone(),
         )?);
         log(format!(

@@ -7,20 +7,23 @@
 //! works through the queue; a bad tensor, NaN input or failing op becomes a typed error
 //! response, and the replica goes on with the next request.
 
+use super::replica::{Replica, Snapshot};
 use super::tensor;
 use super::STAGE_PROTOCOL;
 use crate::dht::Manifest;
 use crate::model::{ModelError, Stage, Upstream};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
-use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
+use crate::wire::msg::{self, AvgMsg, ErrorKind, Op, Request, Response, StateInfo};
 use crate::wire::{CodecSpec, Limits};
 use candle_core::{DType, Tensor};
 use futures::{AsyncWriteExt, StreamExt};
+use libp2p::PeerId;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 
 /// How far behind the replica's step a caller may be.
 pub const MAX_STALENESS: u64 = 1;
@@ -64,16 +67,82 @@ pub struct Counters {
     pub compute_us: AtomicU64,
 }
 
+/// What a replica reports about its training state (cached for the async side).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    /// Applied optimizer steps.
+    pub params_step: u64,
+    /// The step backward passes accumulate toward.
+    pub accum_step: u64,
+    /// Samples accumulated toward it.
+    pub accum_count: u64,
+    /// Samples frozen for a round in progress.
+    pub frozen_count: u64,
+    /// Samples in every applied step.
+    pub samples_applied: u64,
+    /// Samples lost with dead replicas.
+    pub samples_lost: u64,
+    /// Samples dropped when this replica replaced its state.
+    pub samples_dropped: u64,
+    /// Parameter hash (hex).
+    pub params_hash: String,
+}
+
+impl ReplicaStatus {
+    /// Reads the status of a replica.
+    pub fn of(r: &Replica) -> Self {
+        Self {
+            params_step: r.params_step(),
+            accum_step: r.accum_step(),
+            accum_count: r.accum_count(),
+            frozen_count: r.frozen_count(),
+            samples_applied: r.samples_applied(),
+            samples_lost: r.samples_lost(),
+            samples_dropped: r.samples_dropped(),
+            params_hash: r.params_hash().to_string(),
+        }
+    }
+}
+
+/// An averaging message as the averager receives it.
+#[derive(Debug)]
+pub struct Inbound {
+    /// The sender.
+    pub from: PeerId,
+    /// The message.
+    pub msg: AvgMsg,
+    /// Its frames.
+    pub frames: Vec<Vec<u8>>,
+}
+
+/// Floats per state chunk (1 MiB).
+pub const STATE_CHUNK: usize = 256 << 10;
+
+struct SnapshotEntry {
+    info: StateInfo,
+    snap: Snapshot,
+}
+
 struct Shared {
     run: String,
     stage: u32,
-    step: AtomicU64,
     queue: AtomicU32,
     cfg: ServiceConfig,
     jobs: mpsc::Sender<Job>,
     readers: Arc<Semaphore>,
     info: Mutex<Option<String>>,
     counters: Counters,
+    replica: Arc<Mutex<Replica>>,
+    status: Mutex<ReplicaStatus>,
+    progress: Arc<Notify>,
+    avg_tx: Mutex<Option<mpsc::Sender<Inbound>>>,
+    snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
+}
+
+impl Shared {
+    fn step(&self) -> u64 {
+        self.status.lock().map(|s| s.params_step).unwrap_or(0)
+    }
 }
 
 struct Job {
@@ -91,7 +160,6 @@ struct Reply {
 pub struct StageService {
     shared: Arc<Shared>,
     accept: tokio::task::JoinHandle<()>,
-    params_hash: String,
 }
 
 impl Drop for StageService {
@@ -109,49 +177,54 @@ impl std::fmt::Debug for StageService {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the data half-updated in a way
+    // that matters more than stopping would; keep serving.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl StageService {
-    /// Starts serving `stage` of `manifest` on `net`.
+    /// Starts serving `replica` (a stage of `manifest`) on `net`.
     pub fn start(
         net: &NetHandle,
         manifest: &Manifest,
-        stage: Stage,
+        replica: Arc<Mutex<Replica>>,
         cfg: ServiceConfig,
     ) -> Result<Self, NetError> {
-        let params_hash = stage
-            .params()
-            .hash()
-            .map(|h| format!("{h:016x}"))
-            .map_err(|e| NetError::Invalid(format!("cannot hash parameters: {e}")))?;
+        let (stage, status) = {
+            let r = lock(&replica);
+            (r.stage().index() as u32, ReplicaStatus::of(&r))
+        };
         let (tx, rx) = mpsc::channel(cfg.queue_cap.max(1));
         let shared = Arc::new(Shared {
             run: manifest.id.clone(),
-            stage: stage.index() as u32,
-            step: AtomicU64::new(0),
+            stage,
             queue: AtomicU32::new(0),
             readers: Arc::new(Semaphore::new(cfg.max_readers.max(1))),
             cfg,
             jobs: tx,
             info: Mutex::new(None),
             counters: Counters::default(),
+            replica,
+            status: Mutex::new(status),
+            progress: Arc::new(Notify::new()),
+            avg_tx: Mutex::new(None),
+            snapshots: Mutex::new(VecDeque::new()),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
         std::thread::Builder::new()
-            .name(format!("shoal-stage-{}", stage.index()))
-            .spawn(move || Worker::new(stage, codec, worker_shared).run(rx))
+            .name(format!("shoal-stage-{stage}"))
+            .spawn(move || Worker::new(codec, worker_shared).run(rx))
             .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
         let mut incoming = net.accept(STAGE_PROTOCOL)?;
         let accept_shared = Arc::clone(&shared);
         let accept = tokio::spawn(async move {
-            while let Some((_peer, stream)) = incoming.next().await {
-                tokio::spawn(handle(Arc::clone(&accept_shared), stream));
+            while let Some((peer, stream)) = incoming.next().await {
+                tokio::spawn(handle(Arc::clone(&accept_shared), peer, stream));
             }
         });
-        Ok(Self {
-            shared,
-            accept,
-            params_hash,
-        })
+        Ok(Self { shared, accept })
     }
 
     /// The stage served.
@@ -171,19 +244,45 @@ impl StageService {
 
     /// The replica's optimizer step.
     pub fn step(&self) -> u64 {
-        self.shared.step.load(Ordering::Relaxed)
+        self.shared.step()
+    }
+
+    /// The cached training status.
+    pub fn status(&self) -> ReplicaStatus {
+        lock(&self.shared.status).clone()
+    }
+
+    /// Re-reads the training status from the replica (blocks while it computes).
+    pub fn refresh_status(&self) -> ReplicaStatus {
+        let st = ReplicaStatus::of(&lock(&self.shared.replica));
+        *lock(&self.shared.status) = st.clone();
+        self.shared.progress.notify_one();
+        st
     }
 
     /// Hex hash of the parameters.
-    pub fn params_hash(&self) -> &str {
-        &self.params_hash
+    pub fn params_hash(&self) -> String {
+        self.status().params_hash
+    }
+
+    /// The replica's state.
+    pub fn replica(&self) -> Arc<Mutex<Replica>> {
+        Arc::clone(&self.shared.replica)
+    }
+
+    /// Woken after every backward and state change.
+    pub fn progress(&self) -> Arc<Notify> {
+        Arc::clone(&self.shared.progress)
+    }
+
+    /// Routes averaging messages to `tx` from now on.
+    pub fn attach_averager(&self, tx: mpsc::Sender<Inbound>) {
+        *lock(&self.shared.avg_tx) = Some(tx);
     }
 
     /// Sets the announcement returned to `info` calls.
     pub fn set_info(&self, json: String) {
-        if let Ok(mut g) = self.shared.info.lock() {
-            *g = Some(json);
-        }
+        *lock(&self.shared.info) = Some(json);
     }
 
     /// The replica's counters.
@@ -221,14 +320,18 @@ fn refusal(shared: &Shared, kind: ErrorKind, message: impl Into<String>) -> Repl
         header: Response::err(
             kind,
             message,
-            shared.step.load(Ordering::Relaxed),
+            shared.step(),
             shared.queue.load(Ordering::Relaxed),
         ),
         frames: Vec::new(),
     }
 }
 
-async fn handle(shared: Arc<Shared>, mut stream: libp2p::Stream) {
+fn ok(shared: &Shared, tensors: u8) -> Response {
+    Response::ok(shared.step(), shared.queue.load(Ordering::Relaxed), tensors)
+}
+
+async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
     let Ok(_permit) = Arc::clone(&shared.readers).try_acquire_owned() else {
         let r = refusal(&shared, ErrorKind::Overloaded, "too many open calls");
         respond(&mut stream, &r).await;
@@ -265,25 +368,25 @@ async fn handle(shared: Arc<Shared>, mut stream: libp2p::Stream) {
         respond(&mut stream, &r).await;
         return;
     }
-    if req.op == Op::Info {
-        let info = shared.info.lock().ok().and_then(|g| g.clone());
-        let mut header = Response::ok(
-            shared.step.load(Ordering::Relaxed),
-            shared.queue.load(Ordering::Relaxed),
-            0,
-        );
-        header.info = info;
-        shared.counters.served.fetch_add(1, Ordering::Relaxed);
-        respond(
-            &mut stream,
-            &Reply {
+    let reply = match req.op {
+        Op::Info => {
+            let mut header = ok(&shared, 0);
+            header.info = lock(&shared.info).clone();
+            shared.counters.served.fetch_add(1, Ordering::Relaxed);
+            Reply {
                 header,
                 frames: Vec::new(),
-            },
-        )
-        .await;
-        return;
-    }
+            }
+        }
+        Op::Avg => avg_message(&shared, peer, req, frames),
+        Op::StateInfo => state_info(&shared).await,
+        Op::StateChunk => state_chunk(&shared, &req).await,
+        Op::Forward | Op::Backward => queue_job(&shared, req, frames).await,
+    };
+    respond(&mut stream, &reply).await;
+}
+
+async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {
     let (tx, rx) = oneshot::channel();
     shared.queue.fetch_add(1, Ordering::Relaxed);
     if shared
@@ -296,16 +399,131 @@ async fn handle(shared: Arc<Shared>, mut stream: libp2p::Stream) {
         .is_err()
     {
         shared.queue.fetch_sub(1, Ordering::Relaxed);
-        let r = refusal(&shared, ErrorKind::Overloaded, "request queue is full");
-        respond(&mut stream, &r).await;
-        return;
+        return refusal(shared, ErrorKind::Overloaded, "request queue is full");
     }
     match rx.await {
-        Ok(reply) => respond(&mut stream, &reply).await,
-        Err(_) => {
-            let r = refusal(&shared, ErrorKind::Internal, "the compute thread stopped");
-            respond(&mut stream, &r).await;
+        Ok(reply) => reply,
+        Err(_) => refusal(shared, ErrorKind::Internal, "the compute thread stopped"),
+    }
+}
+
+fn avg_message(shared: &Shared, peer: PeerId, req: Request, frames: Vec<Vec<u8>>) -> Reply {
+    let Some(msg) = req.avg else {
+        return refusal(
+            shared,
+            ErrorKind::BadRequest,
+            "avg request without a message",
+        );
+    };
+    let tx = lock(&shared.avg_tx).clone();
+    let Some(tx) = tx else {
+        return refusal(
+            shared,
+            ErrorKind::Overloaded,
+            "this replica is not averaging yet",
+        );
+    };
+    if tx
+        .try_send(Inbound {
+            from: peer,
+            msg,
+            frames,
+        })
+        .is_err()
+    {
+        return refusal(shared, ErrorKind::Overloaded, "averaging inbox is full");
+    }
+    shared.counters.served.fetch_add(1, Ordering::Relaxed);
+    Reply {
+        header: ok(shared, 0),
+        frames: Vec::new(),
+    }
+}
+
+fn chunk_hashes(flat: &[f32]) -> Vec<String> {
+    flat.chunks(STATE_CHUNK)
+        .map(|c| {
+            format!(
+                "{:016x}",
+                xxhash_rust::xxh3::xxh3_64(bytemuck::cast_slice(c))
+            )
+        })
+        .collect()
+}
+
+async fn state_info(shared: &Arc<Shared>) -> Reply {
+    let replica = Arc::clone(&shared.replica);
+    let snap = tokio::task::spawn_blocking(move || lock(&replica).snapshot()).await;
+    let snap = match snap {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return refusal(shared, ErrorKind::Internal, e.to_string()),
+        Err(e) => return refusal(shared, ErrorKind::Internal, e.to_string()),
+    };
+    let info = StateInfo {
+        step: snap.step,
+        len: snap.flat.len() as u64,
+        chunk: STATE_CHUNK as u64,
+        hashes: chunk_hashes(&snap.flat),
+        params_hash: snap.params_hash.clone(),
+        samples_applied: snap.samples_applied,
+        samples_lost: snap.samples_lost,
+    };
+    {
+        let mut cache = lock(&shared.snapshots);
+        cache.retain(|e| e.info.step != info.step);
+        cache.push_back(Arc::new(SnapshotEntry {
+            info: info.clone(),
+            snap,
+        }));
+        while cache.len() > 2 {
+            cache.pop_front();
         }
+    }
+    let mut header = ok(shared, 0);
+    header.state = Some(info);
+    shared.counters.served.fetch_add(1, Ordering::Relaxed);
+    Reply {
+        header,
+        frames: Vec::new(),
+    }
+}
+
+async fn state_chunk(shared: &Arc<Shared>, req: &Request) -> Reply {
+    let Some(c) = req.chunk else {
+        return refusal(shared, ErrorKind::BadRequest, "state_chunk without a chunk");
+    };
+    let entry = lock(&shared.snapshots)
+        .iter()
+        .find(|e| e.info.step == c.step)
+        .cloned();
+    let Some(entry) = entry else {
+        return refusal(
+            shared,
+            ErrorKind::StaleStep,
+            format!(
+                "no snapshot of step {} is held; ask for state_info again",
+                c.step
+            ),
+        );
+    };
+    let start = c.index as usize * STATE_CHUNK;
+    if start >= entry.snap.flat.len() {
+        return refusal(shared, ErrorKind::BadRequest, "chunk index out of range");
+    }
+    let end = (start + STATE_CHUNK).min(entry.snap.flat.len());
+    let mut frame = Vec::new();
+    if let Err(e) = crate::wire::encode_f32(
+        &[end - start],
+        &entry.snap.flat[start..end],
+        &CodecSpec::F32,
+        &mut frame,
+    ) {
+        return refusal(shared, ErrorKind::Internal, e.to_string());
+    }
+    shared.counters.served.fetch_add(1, Ordering::Relaxed);
+    Reply {
+        header: ok(shared, 1),
+        frames: vec![frame],
     }
 }
 
@@ -327,8 +545,9 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
             ),
         ));
     }
-    let step = shared.step.load(Ordering::Relaxed);
-    if req.step.saturating_add(MAX_STALENESS) < step {
+    let step = shared.step();
+    if matches!(req.op, Op::Forward | Op::Backward) && req.step.saturating_add(MAX_STALENESS) < step
+    {
         return Some(refusal(
             shared,
             ErrorKind::StaleStep,
@@ -336,9 +555,9 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         ));
     }
     let want = match req.op {
-        Op::Forward => 1,
+        Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(req.op == Op::Forward)),
         Op::Backward => 2,
-        Op::Info => 0,
+        Op::Info | Op::StateInfo | Op::StateChunk => 0,
     };
     if req.tensors != want {
         return Some(refusal(
@@ -352,10 +571,8 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
 
 /// The compute thread's state.
 struct Worker {
-    stage: Stage,
     codec: CodecSpec,
     shared: Arc<Shared>,
-    accum: Option<Vec<Tensor>>,
 }
 
 enum Fail {
@@ -378,16 +595,11 @@ impl From<candle_core::Error> for Fail {
 }
 
 impl Worker {
-    fn new(stage: Stage, codec: CodecSpec, shared: Arc<Shared>) -> Self {
-        Self {
-            stage,
-            codec,
-            shared,
-            accum: None,
-        }
+    fn new(codec: CodecSpec, shared: Arc<Shared>) -> Self {
+        Self { codec, shared }
     }
 
-    fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+    fn run(self, mut rx: mpsc::Receiver<Job>) {
         while let Some(job) = rx.blocking_recv() {
             let t0 = Instant::now();
             let result = self.process(&job.req, &job.frames);
@@ -408,8 +620,9 @@ impl Worker {
         }
     }
 
-    fn input(&self, bytes: &[u8], what: &str) -> Result<Tensor, Fail> {
-        let d = tensor::decode(bytes, &self.shared.cfg.limits, self.stage.device())
+    fn input(&self, r: &Replica, bytes: &[u8], what: &str) -> Result<Tensor, Fail> {
+        let stage = r.stage();
+        let d = tensor::decode(bytes, &self.shared.cfg.limits, stage.device())
             .map_err(|e| Fail::Refuse(ErrorKind::BadTensor, format!("{what}: {e}")))?;
         if !d.finite {
             return Err(Fail::Refuse(
@@ -417,78 +630,63 @@ impl Worker {
                 format!("{what} holds NaN or infinite values"),
             ));
         }
-        Ok(d.tensor)
+        let t = d.tensor;
+        if t.dtype() == DType::F32 && stage.dtype() != DType::F32 {
+            Ok(t.to_dtype(stage.dtype())?)
+        } else {
+            Ok(t)
+        }
     }
 
     fn encode(&self, t: &Tensor) -> Result<Vec<u8>, Fail> {
         tensor::encode(t, &self.codec).map_err(|e| Fail::Refuse(ErrorKind::Internal, e.to_string()))
     }
 
-    fn process(&mut self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {
-        let step = self.shared.step.load(Ordering::Relaxed);
-        let input = self.input(&frames[0], "input")?;
-        let input = if input.dtype() == DType::F32 && self.stage.dtype() != DType::F32 {
-            input.to_dtype(self.stage.dtype())?
-        } else {
-            input
-        };
+    fn process(&self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {
+        let mut r = lock(&self.shared.replica);
+        let input = self.input(&r, &frames[0], "input")?;
         match req.op {
             Op::Forward => {
-                let out = self.stage.forward(&input)?;
+                let out = r.stage().forward(&input)?;
+                drop(r);
                 let frame = self.encode(&out)?;
                 Ok(Reply {
-                    header: Response::ok(step, self.shared.queue.load(Ordering::Relaxed), 1),
+                    header: ok(&self.shared, 1),
                     frames: vec![frame],
                 })
             }
             Op::Backward => {
-                let up = self.input(&frames[1], "upstream")?;
-                let up = if up.dtype() == DType::F32 && self.stage.dtype() != DType::F32 {
-                    up.to_dtype(self.stage.dtype())?
-                } else {
-                    up
-                };
-                let upstream = if self.stage.is_last() {
+                let up = self.input(&r, &frames[1], "upstream")?;
+                let upstream = if r.stage().is_last() {
                     Upstream::Targets(&up)
                 } else {
                     Upstream::Grad(&up)
                 };
-                let g = self.stage.backward(&input, upstream)?;
-                self.accumulate(g.grads)?;
-                let samples = input.dims().first().copied().unwrap_or(0) as u64;
-                self.shared
-                    .counters
-                    .samples_accumulated
-                    .fetch_add(samples, Ordering::Relaxed);
+                let (g, fresh) = r.backward(&input, upstream, req.mb)?;
+                let status = ReplicaStatus::of(&r);
+                drop(r);
+                if fresh {
+                    let samples = input.dims().first().copied().unwrap_or(0) as u64;
+                    self.shared
+                        .counters
+                        .samples_accumulated
+                        .fetch_add(samples, Ordering::Relaxed);
+                }
+                *lock(&self.shared.status) = status;
+                self.shared.progress.notify_one();
                 let frames = match &g.grad_input {
                     Some(t) => vec![self.encode(t)?],
                     None => Vec::new(),
                 };
-                let mut header = Response::ok(
-                    step,
-                    self.shared.queue.load(Ordering::Relaxed),
-                    frames.len() as u8,
-                );
+                let mut header = ok(&self.shared, frames.len() as u8);
                 header.loss = g.loss;
                 Ok(Reply { header, frames })
             }
-            Op::Info => Err(Fail::Refuse(
+            _ => Err(Fail::Refuse(
                 ErrorKind::BadRequest,
-                "info is answered without the queue".into(),
+                "only forward and backward are queued".into(),
             )),
         }
-    }
-
-    fn accumulate(&mut self, grads: Vec<Tensor>) -> Result<(), Fail> {
-        self.accum = Some(match self.accum.take() {
-            None => grads,
-            Some(acc) => acc
-                .iter()
-                .zip(&grads)
-                .map(|(a, g)| a + g)
-                .collect::<candle_core::Result<Vec<_>>>()?,
-        });
-        Ok(())
     }
 }
 

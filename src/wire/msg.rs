@@ -34,6 +34,92 @@ pub enum Op {
     Backward,
     /// No tensors → the replica's current announcement in `info`.
     Info,
+    /// An averaging message between replicas of a stage (`avg` says which); answered
+    /// with an empty success at once, handled asynchronously.
+    Avg,
+    /// No tensors → a fresh snapshot of the replica's state described in `state`.
+    StateInfo,
+    /// No tensors → chunk `chunk.index` of the snapshot of step `chunk.step`, one frame.
+    StateChunk,
+}
+
+/// Messages of the averaging protocol between the replicas of one stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AvgMsg {
+    /// Sent after each backward and as a heartbeat.
+    Progress {
+        /// Applied optimizer steps.
+        params_step: u64,
+        /// The step backward passes accumulate toward.
+        accum_step: u64,
+        /// Samples accumulated toward it.
+        count: u64,
+        /// Parameter hash (hex).
+        hash: String,
+    },
+    /// From the round's leader: the members of an attempt at averaging `step`, in the order
+    /// that assigns each its part.
+    Members {
+        /// The step.
+        step: u64,
+        /// The attempt (random per attempt).
+        attempt: u32,
+        /// Peer ids, sorted.
+        members: Vec<String>,
+        /// Samples of replicas that died holding gradients of this step (lost).
+        lost: u64,
+    },
+    /// One member's sum for the receiver's part, one frame; `count` is the member's samples.
+    Part {
+        /// The step.
+        step: u64,
+        /// The attempt.
+        attempt: u32,
+        /// Samples behind the sender's sum.
+        count: u64,
+    },
+    /// The averaged part `index`, one frame, exactly as every member applies it.
+    Reduced {
+        /// The step.
+        step: u64,
+        /// The attempt.
+        attempt: u32,
+        /// Which part.
+        index: u32,
+        /// Samples in the step.
+        total: u64,
+    },
+}
+
+/// Which snapshot chunk a [`Op::StateChunk`] asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChunkReq {
+    /// The snapshot's step.
+    pub step: u64,
+    /// The chunk.
+    pub index: u32,
+}
+
+/// A replica's state snapshot, as offered to joiners.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateInfo {
+    /// Applied optimizer steps.
+    pub step: u64,
+    /// Floats in the snapshot (parameters, then both moments).
+    pub len: u64,
+    /// Floats per chunk.
+    pub chunk: u64,
+    /// xxh3-64 (hex) of each chunk's little-endian f32 bytes.
+    pub hashes: Vec<String>,
+    /// Hash of the parameters (hex).
+    pub params_hash: String,
+    /// Samples in every step applied so far.
+    pub samples_applied: u64,
+    /// Samples lost with dead replicas so far.
+    pub samples_lost: u64,
 }
 
 /// The header of a request.
@@ -54,6 +140,12 @@ pub struct Request {
     pub op: Op,
     /// Tensor frames that follow.
     pub tensors: u8,
+    /// The averaging message, for [`Op::Avg`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub avg: Option<AvgMsg>,
+    /// The chunk asked for, for [`Op::StateChunk`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<ChunkReq>,
 }
 
 /// Why a replica refused a request. Stable names: trainers branch on them.
@@ -122,6 +214,9 @@ pub struct Response {
     /// The replica's announcement (JSON record), for [`Op::Info`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub info: Option<String>,
+    /// The snapshot offered, for [`Op::StateInfo`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<StateInfo>,
     /// Tensor frames that follow.
     pub tensors: u8,
 }
@@ -146,6 +241,7 @@ impl Response {
             step,
             queue,
             info: None,
+            state: None,
             tensors,
         }
     }
@@ -237,6 +333,12 @@ mod tests {
             mb: 99,
             op: Op::Backward,
             tensors: 2,
+            avg: Some(AvgMsg::Part {
+                step: 3,
+                attempt: 9,
+                count: 16,
+            }),
+            chunk: None,
         };
         let bytes = encode_header(&r);
         let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);

@@ -1,0 +1,332 @@
+//! A replica's training state: the stage, its optimizer, and the gradient accumulator.
+//!
+//! Shared (behind a mutex) by the compute thread, which runs backward passes into the
+//! accumulator, and the averager, which freezes the accumulator for a step, applies the
+//! averaged gradient, and exports or imports the whole state for joiners.
+//!
+//! Steps: `params_step` counts applied optimizer steps. Backward passes accumulate toward
+//! `params_step` until the averager freezes that step's sum for its round; from then on
+//! they accumulate toward `params_step + 1` (a gradient is at most one step stale).
+
+use crate::config::RunConfig;
+use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
+use candle_core::Tensor;
+use std::collections::{HashSet, VecDeque};
+
+/// Microbatch ids remembered for at-most-once accumulation.
+const SEEN_CAP: usize = 1 << 16;
+
+/// The sum of a step's gradients, frozen for its averaging round.
+#[derive(Debug, Clone)]
+pub struct Frozen {
+    /// The step the sum belongs to.
+    pub step: u64,
+    /// Σ over microbatches of (samples × mean gradient), flattened in parameter order.
+    pub sum: Vec<f32>,
+    /// Samples in the sum.
+    pub count: u64,
+}
+
+/// Parameters and optimizer state as flat vectors, for state transfer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    /// Applied optimizer steps.
+    pub step: u64,
+    /// Parameters, then first moments, then second moments, each in parameter order.
+    pub flat: Vec<f32>,
+    /// Hash of the parameters (hex), as announced.
+    pub params_hash: String,
+    /// Samples in every step applied so far.
+    pub samples_applied: u64,
+    /// Samples lost with dead replicas so far.
+    pub samples_lost: u64,
+}
+
+/// The mutable state of one replica.
+pub struct Replica {
+    stage: Stage,
+    opt: AdamW,
+    params_step: u64,
+    accum: Option<Vec<Tensor>>,
+    accum_count: u64,
+    frozen: Option<Frozen>,
+    seen: HashSet<u64>,
+    seen_order: VecDeque<u64>,
+    samples_applied: u64,
+    samples_lost: u64,
+    samples_dropped: u64,
+    params_hash: String,
+}
+
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica")
+            .field("stage", &self.stage.index())
+            .field("params_step", &self.params_step)
+            .field("accum_count", &self.accum_count)
+            .finish()
+    }
+}
+
+/// Flattens tensors (any float dtype) into one f32 vector.
+pub fn flatten(ts: &[Tensor]) -> Result<Vec<f32>, ModelError> {
+    let n: usize = ts.iter().map(|t| t.elem_count()).sum();
+    let mut out = Vec::with_capacity(n);
+    for t in ts {
+        out.extend(
+            t.flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?,
+        );
+    }
+    Ok(out)
+}
+
+/// Cuts a flat vector back into tensors shaped (and typed, and placed) like `like`.
+pub fn unflatten(flat: &[f32], like: &[Tensor]) -> Result<Vec<Tensor>, ModelError> {
+    let n: usize = like.iter().map(|t| t.elem_count()).sum();
+    if flat.len() != n {
+        return Err(ModelError::BadInput(format!(
+            "{} values for {n} parameters",
+            flat.len()
+        )));
+    }
+    let mut at = 0;
+    let mut out = Vec::with_capacity(like.len());
+    for t in like {
+        let k = t.elem_count();
+        let part =
+            Tensor::from_slice(&flat[at..at + k], t.dims(), t.device())?.to_dtype(t.dtype())?;
+        out.push(part);
+        at += k;
+    }
+    Ok(out)
+}
+
+fn hash_of(stage: &Stage) -> Result<String, ModelError> {
+    Ok(format!("{:016x}", stage.params().hash()?))
+}
+
+impl Replica {
+    /// A fresh replica of `stage` at step 0 (the deterministic init).
+    pub fn new(cfg: &RunConfig, stage: Stage) -> Result<Self, ModelError> {
+        let opt = AdamW::new(&cfg.optimizer, cfg.training.steps, stage.params())?;
+        let params_hash = hash_of(&stage)?;
+        Ok(Self {
+            stage,
+            opt,
+            params_step: 0,
+            accum: None,
+            accum_count: 0,
+            frozen: None,
+            seen: HashSet::new(),
+            seen_order: VecDeque::new(),
+            samples_applied: 0,
+            samples_lost: 0,
+            samples_dropped: 0,
+            params_hash,
+        })
+    }
+
+    /// The stage.
+    pub fn stage(&self) -> &Stage {
+        &self.stage
+    }
+
+    /// Applied optimizer steps.
+    pub fn params_step(&self) -> u64 {
+        self.params_step
+    }
+
+    /// The step backward passes accumulate toward now.
+    pub fn accum_step(&self) -> u64 {
+        match &self.frozen {
+            Some(f) if f.step == self.params_step => self.params_step + 1,
+            _ => self.params_step,
+        }
+    }
+
+    /// Samples accumulated toward [`Self::accum_step`].
+    pub fn accum_count(&self) -> u64 {
+        self.accum_count
+    }
+
+    /// Samples frozen for a round in progress.
+    pub fn frozen_count(&self) -> u64 {
+        self.frozen.as_ref().map_or(0, |f| f.count)
+    }
+
+    /// Samples in every step applied so far.
+    pub fn samples_applied(&self) -> u64 {
+        self.samples_applied
+    }
+
+    /// Samples lost with dead replicas, as recorded by the rounds.
+    pub fn samples_lost(&self) -> u64 {
+        self.samples_lost
+    }
+
+    /// Samples this replica accumulated but dropped when it replaced its state.
+    pub fn samples_dropped(&self) -> u64 {
+        self.samples_dropped
+    }
+
+    /// Hex hash of the parameters.
+    pub fn params_hash(&self) -> &str {
+        &self.params_hash
+    }
+
+    /// Backward of microbatch `mb` (`samples` sequences); accumulates its parameter
+    /// gradients unless this replica already accumulated `mb`.
+    pub fn backward(
+        &mut self,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+        mb: u64,
+    ) -> Result<(StageGrads, bool), ModelError> {
+        let g = self.stage.backward(input, upstream)?;
+        if !self.seen.insert(mb) {
+            return Ok((g, false));
+        }
+        self.seen_order.push_back(mb);
+        if self.seen_order.len() > SEEN_CAP {
+            if let Some(old) = self.seen_order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        let n = input.dims().first().copied().unwrap_or(0) as u64;
+        let weighted: Vec<Tensor> = g
+            .grads
+            .iter()
+            .map(|t| t.affine(n as f64, 0.0))
+            .collect::<candle_core::Result<_>>()?;
+        self.accum = Some(match self.accum.take() {
+            None => weighted,
+            Some(acc) => acc
+                .iter()
+                .zip(&weighted)
+                .map(|(a, b)| a + b)
+                .collect::<candle_core::Result<_>>()?,
+        });
+        self.accum_count += n;
+        Ok((g, true))
+    }
+
+    /// Freezes the accumulator for step `step` (the current `params_step`) and returns it;
+    /// repeated calls for the same step return the same sum (for retried rounds).
+    pub fn freeze(&mut self, step: u64) -> Result<Frozen, ModelError> {
+        if step != self.params_step {
+            return Err(ModelError::BadInput(format!(
+                "cannot freeze step {step} at step {}",
+                self.params_step
+            )));
+        }
+        if let Some(f) = &self.frozen {
+            if f.step == step {
+                return Ok(f.clone());
+            }
+        }
+        let sum = match self.accum.take() {
+            Some(acc) => flatten(&acc)?,
+            None => vec![0.0; self.stage.params().numel()],
+        };
+        let f = Frozen {
+            step,
+            sum,
+            count: self.accum_count,
+        };
+        self.accum_count = 0;
+        self.frozen = Some(f.clone());
+        Ok(f)
+    }
+
+    /// Applies the averaged gradient of step `step`, which held `samples` samples; `lost`
+    /// samples of the step died with a replica.
+    pub fn apply(
+        &mut self,
+        step: u64,
+        avg: &[f32],
+        samples: u64,
+        lost: u64,
+    ) -> Result<(), ModelError> {
+        if step != self.params_step {
+            return Err(ModelError::BadInput(format!(
+                "cannot apply step {step} at step {}",
+                self.params_step
+            )));
+        }
+        let like: Vec<Tensor> = self
+            .stage
+            .params()
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect();
+        let grads = unflatten(avg, &like)?;
+        self.opt.step(self.stage.params(), &grads)?;
+        self.params_step += 1;
+        self.samples_applied += samples;
+        self.samples_lost += lost;
+        self.frozen = None;
+        self.params_hash = hash_of(&self.stage)?;
+        Ok(())
+    }
+
+    /// The whole state, for a joiner.
+    pub fn snapshot(&self) -> Result<Snapshot, ModelError> {
+        let params: Vec<Tensor> = self
+            .stage
+            .params()
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect();
+        let (m, v) = self.opt.moments();
+        let mut flat = flatten(&params)?;
+        flat.extend(flatten(m)?);
+        flat.extend(flatten(v)?);
+        Ok(Snapshot {
+            step: self.params_step,
+            flat,
+            params_hash: self.params_hash.clone(),
+            samples_applied: self.samples_applied,
+            samples_lost: self.samples_lost,
+        })
+    }
+
+    /// Floats in a snapshot.
+    pub fn snapshot_len(&self) -> usize {
+        3 * self.stage.params().numel()
+    }
+
+    /// Replaces the state with a snapshot; drops accumulated and frozen gradients (they
+    /// were computed on other parameters) and returns the samples dropped.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<u64, ModelError> {
+        let n = self.stage.params().numel();
+        if snap.flat.len() != 3 * n {
+            return Err(ModelError::BadInput(format!(
+                "snapshot of {} values for a stage of {n} parameters",
+                snap.flat.len()
+            )));
+        }
+        let vars = self.stage.params().vars();
+        let like: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let params = unflatten(&snap.flat[..n], &like)?;
+        let m = unflatten(&snap.flat[n..2 * n], &like)?;
+        let v = unflatten(&snap.flat[2 * n..], &like)?;
+        for (var, p) in vars.iter().zip(&params) {
+            var.set(p)?;
+        }
+        self.opt.restore(snap.step, m, v)?;
+        self.params_step = snap.step;
+        self.samples_applied = snap.samples_applied;
+        self.samples_lost = snap.samples_lost;
+        self.params_hash = hash_of(&self.stage)?;
+        let dropped = self.accum_count + self.frozen.as_ref().map_or(0, |f| f.count);
+        self.accum = None;
+        self.accum_count = 0;
+        self.frozen = None;
+        self.samples_dropped += dropped;
+        Ok(dropped)
+    }
+}
