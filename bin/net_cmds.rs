@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use shoal::dht::Manifest;
 use shoal::net::{self, keys, NetConfig};
-use shoal::stage::peer::{Peer, PeerConfig, RunSource, StageChoice};
+use shoal::swarm::peer::{Peer, PeerConfig, RunSource, StageChoice};
 use shoal::stage::service::ServiceConfig;
 use shoal::stage::status;
 use std::path::PathBuf;
@@ -57,7 +57,7 @@ pub struct PeerArgs {
     /// A `/p2p-circuit` address listens through a relay.
     #[arg(long, value_name = "MULTIADDR", num_args = 1..)]
     listen: Vec<String>,
-    /// Stage to serve: `auto` (the swarm's weakest stage) or an index.
+    /// Stage to serve: `auto` (the swarm's weakest stage), an index, or `none` (DHT only).
     #[arg(long, default_value = "auto", value_name = "auto|N")]
     stage: String,
     /// Compute device: cpu, cuda:N or metal.
@@ -75,6 +75,30 @@ pub struct PeerArgs {
     /// Seconds an announcement lives (refreshed at a third of it).
     #[arg(long, default_value_t = 30, value_name = "SECS", hide = true)]
     announce_ttl: u64,
+    /// Trainer loops to run beside the stage (0 for none).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    trainers: usize,
+    /// Write the stage's checkpoint (safetensors) here on Ctrl-C / SIGTERM.
+    #[arg(long, value_name = "FILE")]
+    checkpoint: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct SwarmTrainArgs {
+    /// The run: a run id or its manifest file.
+    #[arg(long, value_name = "ID|FILE")]
+    run: Option<String>,
+    #[command(flatten)]
+    net: NetArgs,
+    /// Trainer loops in this process.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    trainers: usize,
+    /// Microbatches each loop keeps in flight.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    concurrency: usize,
+    /// First data stream index (each loop reads its own stream).
+    #[arg(long, default_value_t = 0, value_name = "I")]
+    data_index: u64,
 }
 
 #[derive(Args)]
@@ -180,8 +204,9 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     let stage =
         match a.stage.as_str() {
             "auto" => StageChoice::Auto,
+            "none" => StageChoice::None,
             s => StageChoice::Index(s.parse().map_err(|_| {
-                anyhow::anyhow!("--stage must be `auto` or a stage index, not {s:?}")
+                anyhow::anyhow!("--stage must be `auto`, `none` or a stage index, not {s:?}")
             })?),
         };
     let device = shoal::model::parse_device(&a.device).map_err(anyhow::Error::msg)?;
@@ -212,28 +237,105 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     netcfg.relay_server = a.relay_server;
     let ttl = Duration::from_secs(a.announce_ttl);
     netcfg.provider_ttl = ttl.max(Duration::from_secs(5));
-    let cfg = PeerConfig {
-        run,
-        net: netcfg,
-        bootstrap,
-        stage,
-        device,
-        device_name: a.device.clone(),
-        announce_ttl: ttl,
-        service: ServiceConfig {
-            queue_cap: a.queue,
-            ..ServiceConfig::default()
-        },
-        bench_budget: Duration::from_millis(800),
+    let mut cfg = PeerConfig::new(run, netcfg, bootstrap, stage);
+    cfg.device = device;
+    cfg.device_name = a.device.clone();
+    cfg.announce_ttl = ttl;
+    cfg.service = ServiceConfig {
+        queue_cap: a.queue,
+        ..ServiceConfig::default()
     };
+    cfg.trainers = a.trainers;
+    cfg.checkpoint = a.checkpoint.clone();
     let rt = runtime()?;
     rt.block_on(async move {
         let log = |line: String| println!("{line}");
         let peer = Peer::start(cfg, &log).await?;
         println!("peer {} ready; Ctrl-C to stop", peer.net().local_peer_id());
+        let monitor = tokio::spawn(report_trainers(
+            peer.trainers().iter().map(|t| std::sync::Arc::clone(t.stats())).collect(),
+        ));
         shutdown_signal().await;
-        println!("stopping: withdrawing announcements");
-        peer.stop().await;
+        monitor.abort();
+        println!("stopping: finishing in-flight work, withdrawing announcements");
+        peer.stop().await?;
+        println!("stopped");
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn report_trainers(stats: Vec<std::sync::Arc<shoal::trainer::TrainerStats>>) {
+    if stats.is_empty() {
+        return;
+    }
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        println!("{}", trainer_line(&stats));
+    }
+}
+
+fn trainer_line(stats: &[std::sync::Arc<shoal::trainer::TrainerStats>]) -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    let step = stats.iter().map(|s| s.step.load(Relaxed)).max().unwrap_or(0);
+    let fed: u64 = stats.iter().map(|s| s.fed.load(Relaxed)).sum();
+    let done: u64 = stats.iter().map(|s| s.completed.load(Relaxed)).sum();
+    let failed: u64 = stats.iter().map(|s| s.failed.load(Relaxed)).sum();
+    let losses: Vec<f64> = stats.iter().filter_map(|s| s.recent_loss(8)).collect();
+    let loss = if losses.is_empty() {
+        f64::NAN
+    } else {
+        losses.iter().sum::<f64>() / losses.len() as f64
+    };
+    format!("trainers: step {step}  loss {loss:.4}  samples fed {fed} completed {done} failed {failed}")
+}
+
+pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
+    let Some(run) = a.run.clone() else {
+        bail!("pass --run ID --bootstrap MULTIADDR to train through a swarm, or --local --config FILE");
+    };
+    if a.net.bootstrap.is_empty() {
+        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
+    }
+    if a.trainers == 0 || a.concurrency == 0 {
+        bail!("--trainers and --concurrency must be at least 1");
+    }
+    let source = RunSource::parse(&run);
+    if let RunSource::File(p) = &source {
+        Manifest::load(p)?;
+    }
+    let bootstrap = parse_addrs(&a.net.bootstrap)?;
+    let mut netcfg = net_config(&a.net, libp2p::identity::Keypair::generate_ed25519(), Vec::new())?;
+    netcfg.dht_server = false;
+    let mut cfg = PeerConfig::new(source, netcfg, bootstrap, StageChoice::None);
+    cfg.trainers = a.trainers;
+    cfg.trainer.concurrency = a.concurrency;
+    cfg.trainer.index = a.data_index;
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let log = |line: String| println!("{line}");
+        let peer = Peer::start(cfg, &log).await?;
+        let stats: Vec<_> = peer.trainers().iter().map(|t| std::sync::Arc::clone(t.stats())).collect();
+        let started = std::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = shutdown_signal() => break,
+                _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+            println!("{}  ({:.0} s)", trainer_line(&stats), started.elapsed().as_secs_f64());
+            if peer.trainers().iter().all(|t| t.is_finished()) {
+                break;
+            }
+        }
+        peer.stop().await?;
+        println!("done: {}", trainer_line(&stats));
+        for s in &stats {
+            if let Ok(f) = s.failures.lock() {
+                for (reason, n) in f.iter() {
+                    println!("  failed {n} samples: {reason}");
+                }
+            }
+        }
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -258,7 +360,7 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
     let rt = runtime()?;
     let runs = rt.block_on(async move {
         let handle = net::start(cfg)?;
-        shoal::stage::peer::join(&handle, &bootstrap).await?;
+        shoal::swarm::peer::join(&handle, &bootstrap).await?;
         let runs = status::gather(&handle, a.run.as_deref()).await?;
         handle.shutdown().await;
         Ok::<_, anyhow::Error>(runs)
@@ -290,7 +392,7 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
     let rt = runtime()?;
     let (m, report) = rt.block_on(async move {
         let handle = net::start(cfg)?;
-        shoal::stage::peer::join(&handle, &bootstrap).await?;
+        shoal::swarm::peer::join(&handle, &bootstrap).await?;
         let m = match (from_file, source) {
             (Some(m), _) => m,
             (None, RunSource::Id(id)) => {

@@ -57,12 +57,15 @@ enum Command {
 
 #[derive(Args)]
 struct TrainArgs {
-    /// Train all stages in this process (the swarm trainer comes with the network layer).
-    #[arg(long)]
+    /// Train all stages in this process instead of through a swarm.
+    #[arg(long, requires = "config")]
     local: bool,
-    /// Run config (TOML), e.g. configs/tiny.toml.
+    /// Run config (TOML) for --local, e.g. configs/tiny.toml.
     #[arg(long, value_name = "FILE")]
-    config: PathBuf,
+    config: Option<PathBuf>,
+    /// Swarm training: trainer loops only (no stage, no GPU needed).
+    #[command(flatten)]
+    swarm: net_cmds::SwarmTrainArgs,
     #[command(flatten)]
     common: CommonArgs,
     /// Train on this data instead of the config's: a UTF-8 text file (byte tokens), or a
@@ -255,10 +258,10 @@ fn train(cfg: &RunConfig, opts: &LocalOptions) -> Result<LocalReport> {
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(a) => {
-            if !a.local {
-                bail!("swarm training is not built yet; pass --local to train every stage in this process");
-            }
-            let mut cfg = RunConfig::load(&a.config)?;
+            let Some(config) = a.config.as_ref().filter(|_| a.local) else {
+                return net_cmds::train_swarm(a.swarm);
+            };
+            let mut cfg = RunConfig::load(config)?;
             if let Some(d) = &a.data {
                 data_override(&mut cfg, d)?;
             }

@@ -10,10 +10,14 @@
 //! - [`data`]: token sources (built-in Markov corpus, text, token shards) and sampling.
 //! - [`dht`]: run manifests (canonical TOML, run id) and stage announcements, validated.
 //! - [`net`]: the libp2p swarm in one task, a cloneable handle, keys, stream framing.
-//! - [`stage`]: the replica (stage protocol server and client), `shoal peer`, `shoal status`.
+//! - [`stage`]: the replica (stage protocol server and client), `shoal status`, `shoal probe`.
+//! - [`averaging`]: stage averaging rounds (butterfly all-reduce) and state download.
+//! - [`trainer`]: trainer loops: stochastic wiring, swap-in, accounting.
+//! - [`swarm`]: the peer process (`shoal peer`): stage, averager and trainers together.
 //! - [`train`]: local training of all stages in one process, through the wire codec.
 //! - [`bench`]: benchmarks that print tables (`shoal bench ...`).
 //! - [`rng`]: the seeded generator every peer computes identically.
+pub mod averaging;
 pub mod bench;
 pub mod config;
 pub mod data;
@@ -22,6 +26,8 @@ pub mod model;
 pub mod net;
 pub mod rng;
 pub mod stage;
+pub mod swarm;
+pub mod trainer;
 pub mod train;
 pub mod wire;
 

@@ -257,7 +257,7 @@ fn identity_persists_and_killed_peers_expire_from_status() {
     let d = dir.path();
     let run = new_run(d);
     let listen = ["--listen", "/ip4/127.0.0.1/tcp/0"];
-    let ttl = ["--announce-ttl", "3"];
+    let ttl = ["--announce-ttl", "3", "--trainers", "0"];
     let mut boot = PeerProc::spawn(
         d,
         &[

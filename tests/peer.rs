@@ -10,8 +10,7 @@ use shoal::dht::Manifest;
 use shoal::model::{Stage, Upstream};
 use shoal::net::{self, keys, NetConfig, NetHandle};
 use shoal::stage::client::{exchange, CallError, StageClient};
-use shoal::stage::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
-use shoal::stage::service::ServiceConfig;
+use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
 use shoal::stage::{registry, STAGE_PROTOCOL};
 use shoal::wire::msg::{ErrorKind, Op, Request, MSG_VERSION};
 use shoal::wire::{CodecSpec, Limits};
@@ -30,17 +29,10 @@ fn manifest_file(dir: &tempfile::TempDir, cfg: &RunConfig) -> (Manifest, PathBuf
 }
 
 fn peer_config(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> PeerConfig {
-    PeerConfig {
-        run,
-        net: NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), loopback()),
-        bootstrap,
-        stage,
-        device: Device::Cpu,
-        device_name: "cpu".into(),
-        announce_ttl: Duration::from_secs(30),
-        service: ServiceConfig::default(),
-        bench_budget: Duration::from_millis(30),
-    }
+    let net = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), loopback());
+    let mut cfg = PeerConfig::new(run, net, bootstrap, stage);
+    cfg.bench_budget = Duration::from_millis(30);
+    cfg
 }
 
 async fn start(cfg: PeerConfig) -> Result<Peer, PeerError> {
@@ -243,7 +235,7 @@ async fn eight_peers_find_every_stage_and_the_manifest() {
         t0.elapsed().as_secs_f64()
     );
     for p in peers {
-        p.stop().await;
+        p.stop().await.unwrap();
     }
 }
 
@@ -271,13 +263,14 @@ async fn remote_pipeline_equals_local_exactly_with_f32() {
     for p in &peers {
         let n = p
             .service()
+            .unwrap()
             .counters()
             .samples_accumulated
             .load(std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(n, cfg.training.batch_size as u64, "stage {}", p.stage());
+        assert_eq!(n, cfg.training.batch_size as u64, "stage {:?}", p.stage());
     }
     for p in peers {
-        p.stop().await;
+        p.stop().await.unwrap();
     }
 }
 
@@ -308,7 +301,7 @@ async fn remote_pipeline_with_int8_is_within_the_codec_bound() {
     assert!(cosine(&local.g2, &remote.g2) > 0.99);
     assert!(cosine(&local.g1, &remote.g1) > 0.99);
     for p in peers {
-        p.stop().await;
+        p.stop().await.unwrap();
     }
 }
 
@@ -378,7 +371,7 @@ async fn private_swarm_peer_serves_and_outsider_cannot_join() {
     );
     icfg.net.swarm_key = Some(key);
     let insider = start(icfg).await.unwrap();
-    assert_eq!(insider.stage(), 1, "auto picks an empty stage");
+    assert_eq!(insider.stage(), Some(1), "auto picks an empty stage");
     let outsider = start(peer_config(
         RunSource::File(path),
         vec![addr],
@@ -386,8 +379,8 @@ async fn private_swarm_peer_serves_and_outsider_cannot_join() {
     ))
     .await;
     assert!(matches!(outsider, Err(PeerError::Bootstrap(_))));
-    insider.stop().await;
-    boot.stop().await;
+    insider.stop().await.unwrap();
+    boot.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,8 +427,8 @@ async fn a_peer_behind_a_relay_serves_a_forward_call() {
     let to_hidden: Vec<_> = conns.iter().filter(|c| c.peer == hid).collect();
     assert!(!to_hidden.is_empty());
     assert!(to_hidden.iter().all(|c| c.relayed), "{to_hidden:?}");
-    hidden.stop().await;
-    relay.stop().await;
+    hidden.stop().await.unwrap();
+    relay.stop().await.unwrap();
 }
 
 /// Sends raw bytes on a stage stream and returns whatever comes back.
@@ -554,11 +547,12 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
 
     let refused = p
         .service()
+        .unwrap()
         .counters()
         .refused
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(refused >= 6, "refused {refused}");
-    p.stop().await;
+    p.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -595,5 +589,32 @@ async fn a_full_queue_answers_overloaded() {
     assert!(ok >= 1, "nothing was served");
     assert!(overloaded >= 1, "no request was refused as overloaded");
     assert_eq!(ok + overloaded, 12, "{results:?}");
-    p.stop().await;
+    p.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_snapshot_chunks_download() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    let (m, path) = manifest_file(&dir, &cfg);
+    let p = start(peer_config(RunSource::File(path), vec![], StageChoice::Index(0)))
+        .await
+        .unwrap();
+    let pid = p.net().local_peer_id();
+    let c = client(&p.addrs()[0], None).await;
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let info = sc.state_info(pid, 0).await.unwrap();
+    eprintln!("{} floats in {} chunks", info.len, info.hashes.len());
+    for i in 0..info.hashes.len() {
+        let v = sc.state_chunk(pid, 0, info.step, i as u32).await;
+        eprintln!("chunk {i}: {:?}", v.as_ref().map(|v| v.len()).map_err(|e| e.to_string()));
+        v.unwrap();
+    }
+    let all = futures::future::join_all(
+        (0..info.hashes.len()).map(|i| sc.state_chunk(pid, 0, info.step, i as u32)),
+    )
+    .await;
+    for (i, v) in all.iter().enumerate() {
+        eprintln!("concurrent chunk {i}: {:?}", v.as_ref().map(|v| v.len()).map_err(|e| e.to_string()));
+    }
 }

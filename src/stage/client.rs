@@ -7,11 +7,15 @@
 use super::{tensor, STAGE_PROTOCOL};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
-use crate::wire::msg::{self, ErrorKind, Op, Request, Response, MSG_VERSION};
+use crate::wire::msg::{
+    self, AvgMsg, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, MSG_VERSION,
+};
 use crate::wire::{CodecSpec, Limits, WireError};
 use candle_core::{Device, Tensor};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::PeerId;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Why a remote call failed.
@@ -33,6 +37,8 @@ pub enum CallError {
         kind: ErrorKind,
         /// The replica's message.
         message: String,
+        /// The replica's step when it answered.
+        step: u64,
     },
     /// A tensor in the reply did not decode.
     #[error("bad tensor in reply: {0}")]
@@ -63,6 +69,19 @@ pub struct BackwardReply {
     pub step: u64,
 }
 
+/// Bytes a client moved, shared by its clones.
+#[derive(Debug, Default)]
+pub struct ClientCounters {
+    /// Frame bytes sent.
+    pub sent: AtomicU64,
+    /// Frame bytes received.
+    pub received: AtomicU64,
+    /// The same tensors as f32 (u32 ids as 4 bytes).
+    pub raw: AtomicU64,
+    /// The highest step any replica answered with.
+    pub step: AtomicU64,
+}
+
 /// Calls stages of one run.
 #[derive(Debug, Clone)]
 pub struct StageClient {
@@ -72,6 +91,7 @@ pub struct StageClient {
     limits: Limits,
     timeout: Duration,
     device: Device,
+    counters: Arc<ClientCounters>,
 }
 
 impl StageClient {
@@ -84,7 +104,33 @@ impl StageClient {
             limits: Limits::default(),
             timeout: Duration::from_secs(60),
             device: Device::Cpu,
+            counters: Arc::new(ClientCounters::default()),
         }
+    }
+
+    /// Bytes moved by this client and its clones.
+    pub fn counters(&self) -> &ClientCounters {
+        &self.counters
+    }
+
+    fn count_raw(&self, tensors: &[&Tensor]) {
+        let n: usize = tensors.iter().map(|t| 4 * t.elem_count()).sum();
+        self.counters.raw.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The network handle.
+    pub fn net(&self) -> &NetHandle {
+        &self.net
+    }
+
+    /// The run id.
+    pub fn run(&self) -> &str {
+        &self.run
+    }
+
+    /// This peer's id.
+    pub fn local_peer_id(&self) -> PeerId {
+        self.net.local_peer_id()
     }
 
     /// Sets the per-call timeout.
@@ -130,10 +176,16 @@ impl StageClient {
         let (header, reply) = tokio::time::timeout(self.timeout, work)
             .await
             .map_err(|_| CallError::Timeout(self.timeout))??;
+        let sent: usize = frames.iter().map(|f| f.len()).sum();
+        let got: usize = reply.iter().map(|f| f.len()).sum();
+        self.counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
+        self.counters.received.fetch_add(got as u64, Ordering::Relaxed);
+        self.counters.step.fetch_max(header.step, Ordering::Relaxed);
         if let Some(e) = header.error {
             return Err(CallError::Remote {
                 kind: e.kind,
                 message: e.message,
+                step: header.step,
             });
         }
         Ok((header, reply))
@@ -154,7 +206,9 @@ impl StageClient {
         let f = frames
             .first()
             .ok_or_else(|| CallError::Protocol("forward reply has no tensor".into()))?;
-        Ok(tensor::decode(f, &self.limits, &self.device)?.tensor)
+        let out = tensor::decode(f, &self.limits, &self.device)?.tensor;
+        self.count_raw(&[input, &out]);
+        Ok(out)
     }
 
     /// Backward through `stage` on `peer`: `upstream` is the gradient of its output, or
@@ -178,11 +232,60 @@ impl StageClient {
             Some(f) => Some(tensor::decode(f, &self.limits, &self.device)?.tensor),
             None => None,
         };
+        self.count_raw(&[input, upstream]);
+        if let Some(g) = &grad_input {
+            self.count_raw(&[g]);
+        }
         Ok(BackwardReply {
             loss: header.loss,
             grad_input,
             step: header.step,
         })
+    }
+
+    /// Sends an averaging message (with at most one frame) to a replica of `stage`.
+    pub async fn send_avg(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        msg: AvgMsg,
+        frame: Option<Vec<u8>>,
+    ) -> Result<(), CallError> {
+        let frames: Vec<Vec<u8>> = frame.into_iter().collect();
+        let mut req = self.request(stage, 0, 0, Op::Avg, frames.len() as u8);
+        req.avg = Some(msg);
+        self.call(peer, &req, &frames).await.map(|_| ())
+    }
+
+    /// Asks a replica for a snapshot of its state.
+    pub async fn state_info(&self, peer: PeerId, stage: usize) -> Result<StateInfo, CallError> {
+        let req = self.request(stage, 0, 0, Op::StateInfo, 0);
+        let (header, _) = self.call(peer, &req, &[]).await?;
+        header
+            .state
+            .ok_or_else(|| CallError::Protocol("state_info reply without a state".into()))
+    }
+
+    /// Fetches one chunk of a snapshot, as raw f32 values.
+    pub async fn state_chunk(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        step: u64,
+        index: u32,
+    ) -> Result<Vec<f32>, CallError> {
+        let mut req = self.request(stage, 0, 0, Op::StateChunk, 0);
+        req.chunk = Some(ChunkReq { step, index });
+        let (_, frames) = self.call(peer, &req, &[]).await?;
+        let f = frames
+            .first()
+            .ok_or_else(|| CallError::Protocol("state_chunk reply without a frame".into()))?;
+        match crate::wire::decode(f, &self.limits)?.data {
+            crate::wire::TensorData::F32(v) => Ok(v),
+            crate::wire::TensorData::U32(_) => {
+                Err(CallError::Protocol("state chunk is not f32".into()))
+            }
+        }
     }
 
     /// The replica's own announcement, as JSON.

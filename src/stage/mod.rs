@@ -5,8 +5,7 @@
 //! - [`client`]: calls a remote stage (forward, backward, info).
 //! - [`registry`]: the typed DHT operations (manifest, announcements, swarm view).
 //! - [`select`]: pure choice of the stage to serve and the bottleneck.
-//! - [`peer`]: `shoal peer`: start the network, find or publish the run, pick a stage,
-//!   measure throughput, serve and announce until told to stop.
+//! - [`replica`]: the replica's training state (stage, optimizer, accumulator).
 //! - [`status`]: what `shoal status` prints.
 //! - [`probe`]: one microbatch through the swarm (`shoal probe`).
 //! - [`tensor`]: candle tensors to wire frames.
@@ -15,7 +14,6 @@
 //! averaging layers).
 
 pub mod client;
-pub mod peer;
 pub mod probe;
 pub mod registry;
 pub mod replica;

@@ -294,6 +294,11 @@ impl Replica {
         })
     }
 
+    /// Writes the stage's parameters and optimizer state to `path` atomically.
+    pub fn save(&self, path: &std::path::Path) -> Result<(), ModelError> {
+        crate::model::checkpoint::save(&self.stage, &self.opt, path)
+    }
+
     /// Floats in a snapshot.
     pub fn snapshot_len(&self) -> usize {
         3 * self.stage.params().numel()

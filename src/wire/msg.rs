@@ -55,6 +55,8 @@ pub enum AvgMsg {
         accum_step: u64,
         /// Samples accumulated toward it.
         count: u64,
+        /// Samples frozen for the round of `params_step`.
+        frozen: u64,
         /// Parameter hash (hex).
         hash: String,
     },

@@ -6,15 +6,20 @@
 //! stage, build it with the deterministic init, measure its throughput, start serving, then
 //! announce and keep re-announcing at a third of the announcement's lifetime.
 
-use super::registry::{self, RegistryError};
-use super::replica::Replica;
-use super::select;
-use super::service::{measure_throughput, ServiceConfig, StageService};
+use crate::averaging::sync::{self, SyncError, SyncReport};
+use crate::averaging::{Averager, AveragerConfig};
+use crate::rng::Rng;
+use crate::stage::client::StageClient;
+use crate::stage::registry::{self, RegistryError};
+use crate::trainer::{Trainer, TrainerConfig, TrainerError};
+use crate::stage::replica::Replica;
+use crate::stage::select;
+use crate::stage::service::{measure_throughput, ServiceConfig, StageService};
 use crate::dht::{self, Announcement, Manifest, ManifestError};
 use crate::model::{ModelError, Stage};
 use crate::net::{self, NetConfig, NetError, NetHandle};
 use candle_core::Device;
-use libp2p::Multiaddr;
+use libp2p::{Multiaddr, PeerId};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +51,8 @@ pub enum StageChoice {
     Auto,
     /// This one.
     Index(usize),
+    /// None: a DHT and bootstrap node (and trainers, if any) only.
+    None,
 }
 
 /// Everything `shoal peer` needs.
@@ -69,6 +76,32 @@ pub struct PeerConfig {
     pub service: ServiceConfig,
     /// Time spent measuring throughput at start-up.
     pub bench_budget: Duration,
+    /// Trainer loops to run beside the stage.
+    pub trainers: usize,
+    /// Their knobs (`index` is derived per loop).
+    pub trainer: TrainerConfig,
+    /// Where to write the stage's checkpoint on stop.
+    pub checkpoint: Option<PathBuf>,
+}
+
+impl PeerConfig {
+    /// Defaults: serve `stage` of `run`, joining through `bootstrap`.
+    pub fn new(run: RunSource, net: NetConfig, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> Self {
+        Self {
+            run,
+            net,
+            bootstrap,
+            stage,
+            device: Device::Cpu,
+            device_name: "cpu".into(),
+            announce_ttl: Duration::from_secs(30),
+            service: ServiceConfig::default(),
+            bench_budget: Duration::from_millis(800),
+            trainers: 0,
+            trainer: TrainerConfig::default(),
+            checkpoint: None,
+        }
+    }
 }
 
 /// Why a peer could not start.
@@ -89,6 +122,12 @@ pub enum PeerError {
     /// No bootstrap peer answered.
     #[error("cannot reach any bootstrap peer ({0}); check the address, and pass the swarm's --swarm-key if it is private")]
     Bootstrap(String),
+    /// The stage's state could not be downloaded.
+    #[error("cannot download the stage's state: {0}")]
+    Sync(#[from] SyncError),
+    /// A trainer could not start.
+    #[error(transparent)]
+    Trainer(#[from] TrainerError),
     /// A bad argument.
     #[error("{0}")]
     Invalid(String),
@@ -97,18 +136,22 @@ pub enum PeerError {
 /// A serving peer.
 pub struct Peer {
     net: NetHandle,
-    service: Arc<StageService>,
+    service: Option<Arc<StageService>>,
+    averager: Option<Averager>,
+    trainers: Vec<Trainer>,
     manifest: Manifest,
     addrs: Vec<Multiaddr>,
-    refresher: tokio::task::JoinHandle<()>,
+    refresher: Option<tokio::task::JoinHandle<()>>,
     last: Arc<std::sync::Mutex<Option<Announcement>>>,
+    checkpoint: Option<PathBuf>,
+    synced: Option<SyncReport>,
 }
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peer")
             .field("peer", &self.net.local_peer_id())
-            .field("stage", &self.service.stage())
+            .field("stage", &self.stage())
             .finish()
     }
 }
@@ -150,7 +193,7 @@ impl Peer {
         let addrs = net
             .wait_listening(n_listen, Duration::from_secs(10))
             .await?;
-        if addrs.is_empty() {
+        if addrs.is_empty() && n_listen > 0 {
             return Err(PeerError::Invalid(
                 "the peer is not listening on any address; check --listen".into(),
             ));
@@ -169,8 +212,9 @@ impl Peer {
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
         log(format!("run {}", manifest.id));
         let count = manifest.config.stages.count;
+        let per_stage = registry::read_run(&net, &manifest.id, count).await?;
         let stage_idx = match cfg.stage {
-            StageChoice::Index(i) if i < count => i,
+            StageChoice::Index(i) if i < count => Some(i),
             StageChoice::Index(i) => {
                 return Err(PeerError::Invalid(format!(
                     "--stage {i} is out of range: run {} has stages 0..{}",
@@ -179,11 +223,52 @@ impl Peer {
                 )))
             }
             StageChoice::Auto => {
-                let per_stage = registry::read_run(&net, &manifest.id, count).await?;
-                let anns: Vec<Announcement> = per_stage.into_iter().flatten().collect();
-                select::weakest(&select::loads(count, &anns)).unwrap_or(0)
+                let anns: Vec<Announcement> = per_stage.iter().flatten().cloned().collect();
+                Some(select::weakest(&select::loads(count, &anns)).unwrap_or(0))
             }
+            StageChoice::None => None,
         };
+        let last = Arc::new(std::sync::Mutex::new(None));
+        let mut peer = Self {
+            net: net.clone(),
+            service: None,
+            averager: None,
+            trainers: Vec::new(),
+            manifest: manifest.clone(),
+            addrs,
+            refresher: None,
+            last: Arc::clone(&last),
+            checkpoint: cfg.checkpoint.clone(),
+            synced: None,
+        };
+        if let Some(stage_idx) = stage_idx {
+            let donors: Vec<PeerId> = per_stage[stage_idx]
+                .iter()
+                .filter_map(|a| a.peer.parse().ok())
+                .collect();
+            peer.serve(&cfg, stage_idx, &donors, log).await?;
+        }
+        let me = net.local_peer_id().to_string();
+        for i in 0..cfg.trainers {
+            let mut tcfg = cfg.trainer.clone();
+            tcfg.index = crate::rng::derive_seed(cfg.trainer.index, &format!("{me}/{i}"));
+            peer.trainers.push(Trainer::spawn(net.clone(), &manifest, tcfg)?);
+        }
+        if cfg.trainers > 0 {
+            log(format!("running {} trainer loop(s)", cfg.trainers));
+        }
+        Ok(peer)
+    }
+
+    async fn serve(
+        &mut self,
+        cfg: &PeerConfig,
+        stage_idx: usize,
+        donors: &[PeerId],
+        log: &(dyn Fn(String) + Sync),
+    ) -> Result<(), PeerError> {
+        let manifest = &self.manifest;
+        let count = manifest.config.stages.count;
         let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
         let m = &manifest.config.model;
         let samples_per_s = measure_throughput(
@@ -194,40 +279,83 @@ impl Peer {
             2,
             cfg.bench_budget,
         )?;
-        let replica = Arc::new(std::sync::Mutex::new(Replica::new(
-            &manifest.config,
-            stage,
-        )?));
+        let mut replica = Replica::new(&manifest.config, stage)?;
+        let client = StageClient::new(
+            self.net.clone(),
+            manifest.id.clone(),
+            manifest.config.codecs.activations,
+        );
+        if !donors.is_empty() {
+            // A stage that already has replicas: start from their state, not the init.
+            let mut rng = Rng::new(crate::rng::derive_seed(
+                crate::dht::now_ms(),
+                &self.net.local_peer_id().to_string(),
+            ));
+            let len = replica.snapshot_len();
+            let (snap, report) =
+                sync::download(&client, stage_idx, donors, len, &mut rng).await?;
+            replica.restore(&snap)?;
+            log(format!(
+                "synced stage {stage_idx} at step {} from {} donor(s), chunks {:?}",
+                snap.step,
+                report.donors.len(),
+                report.chunks_per_donor
+            ));
+            self.synced = Some(report);
+        }
+        let replica = Arc::new(std::sync::Mutex::new(replica));
         let service = Arc::new(StageService::start(
-            &net,
-            &manifest,
+            &self.net,
+            manifest,
             replica,
             cfg.service.clone(),
         )?);
+        let avg_cfg = AveragerConfig::new(
+            manifest.config.target_batch_size() as u64,
+            manifest.config.codecs.gradients,
+        );
+        let seed = crate::rng::derive_seed(
+            crate::dht::now_ms(),
+            &self.net.local_peer_id().to_string(),
+        );
+        self.averager = Some(Averager::spawn(
+            client,
+            Arc::clone(&service),
+            avg_cfg,
+            seed,
+        ));
         log(format!(
             "serving stage {stage_idx} of {count} on {}: {samples_per_s:.1} samples/s",
             cfg.device_name
         ));
-        let last = Arc::new(std::sync::Mutex::new(None));
         let ctx = Refresh {
-            net: net.clone(),
+            net: self.net.clone(),
             service: Arc::clone(&service),
             manifest: manifest.clone(),
             device: cfg.device_name.clone(),
             samples_per_s,
             ttl: cfg.announce_ttl,
-            last: Arc::clone(&last),
+            last: Arc::clone(&self.last),
         };
         ctx.once().await?;
-        let refresher = tokio::spawn(ctx.run());
-        Ok(Self {
-            net,
-            service,
-            manifest,
-            addrs,
-            refresher,
-            last,
-        })
+        self.refresher = Some(tokio::spawn(ctx.run()));
+        self.service = Some(service);
+        Ok(())
+    }
+
+    /// The trainer loops.
+    pub fn trainers(&self) -> &[Trainer] {
+        &self.trainers
+    }
+
+    /// The averager, when serving.
+    pub fn averager(&self) -> Option<&Averager> {
+        self.averager.as_ref()
+    }
+
+    /// How the state was downloaded at start, if it was.
+    pub fn synced(&self) -> Option<&SyncReport> {
+        self.synced.as_ref()
     }
 
     /// The network handle.
@@ -245,22 +373,56 @@ impl Peer {
         &self.manifest
     }
 
-    /// The stage served.
-    pub fn stage(&self) -> usize {
-        self.service.stage()
+    /// The stage served, if any.
+    pub fn stage(&self) -> Option<usize> {
+        self.service.as_ref().map(|s| s.stage())
     }
 
-    /// The stage service.
-    pub fn service(&self) -> &StageService {
-        &self.service
+    /// The stage service, if serving.
+    pub fn service(&self) -> Option<&StageService> {
+        self.service.as_deref()
     }
 
-    /// Withdraws the announcements and stops the network.
-    pub async fn stop(self) {
-        self.refresher.abort();
+    /// Stops gracefully: trainers finish their microbatches, the stage stops taking work
+    /// when its announcements are withdrawn, the checkpoint is written atomically.
+    pub async fn stop(self) -> Result<(), PeerError> {
+        for t in self.trainers {
+            t.stop().await;
+        }
+        if let Some(r) = &self.refresher {
+            r.abort();
+        }
         let last = self.last.lock().ok().and_then(|g| g.clone());
         if let Some(a) = last {
             let _ = registry::withdraw(&self.net, &a).await;
+        }
+        drop(self.averager);
+        let mut result = Ok(());
+        if let (Some(svc), Some(path)) = (&self.service, &self.checkpoint) {
+            let replica = svc.replica();
+            let path = path.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                replica
+                    .lock()
+                    .map_err(|_| ModelError::Checkpoint("replica state poisoned".into()))
+                    .and_then(|r| r.save(&path))
+            })
+            .await
+            .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")));
+            result = match r {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e.into()),
+                Err(e) => Err(e),
+            };
+        }
+        self.net.shutdown().await;
+        result
+    }
+
+    /// Stops at once without withdrawing anything: what a crash looks like to the swarm.
+    pub async fn kill(self) {
+        if let Some(r) = &self.refresher {
+            r.abort();
         }
         self.net.shutdown().await;
     }

@@ -1,0 +1,465 @@
+//! Trainer loops: read data, drive microbatches through one replica per stage, retry on
+//! another replica when one fails, and account for every sample.
+//!
+//! - [`routing`]: the pure choice of a replica (stochastic wiring).
+//! - this module: the loop. For each microbatch: forward stage by stage (keeping every
+//!   stage's input), backward from the last stage with the targets, then back through the
+//!   same replicas. A replica that errs or times out is banned for a while and the stage is
+//!   repeated on another replica of the same stage from the kept input (swap-in); backward
+//!   recomputes the forward, so any replica can take over. A microbatch fails only when a
+//!   stage has had no usable replica for `stage_deadline`; it is then counted as failed with
+//!   its reason. Invariant: fed = completed + failed once the loop has stopped.
+
+pub mod routing;
+
+use crate::data::{DataError, Sampler, TokenSource};
+use crate::dht::Manifest;
+use crate::net::NetHandle;
+use crate::rng::{derive_seed, Rng};
+use crate::stage::client::{CallError, StageClient};
+use crate::stage::registry;
+use crate::wire::msg::ErrorKind;
+use candle_core::{Device, Tensor};
+use libp2p::{Multiaddr, PeerId};
+use routing::ReplicaState;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, Semaphore};
+
+/// Knobs of a trainer loop.
+#[derive(Debug, Clone)]
+pub struct TrainerConfig {
+    /// Which data stream this trainer reads (distinct per trainer).
+    pub index: u64,
+    /// Microbatches in flight at once.
+    pub concurrency: usize,
+    /// Per-call timeout.
+    pub call_timeout: Duration,
+    /// How long a failed replica is avoided.
+    pub ban: Duration,
+    /// A microbatch fails when a stage has no usable replica for this long.
+    pub stage_deadline: Duration,
+    /// How often replicas are re-read from the DHT.
+    pub refresh: Duration,
+    /// Stop after this many microbatches (default: when the run reaches its last step).
+    pub max_microbatches: Option<u64>,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            index: 0,
+            concurrency: 2,
+            call_timeout: Duration::from_secs(20),
+            ban: Duration::from_secs(5),
+            stage_deadline: Duration::from_secs(30),
+            refresh: Duration::from_secs(1),
+            max_microbatches: None,
+        }
+    }
+}
+
+/// Why a trainer could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    /// The data source did not open.
+    #[error(transparent)]
+    Data(#[from] DataError),
+}
+
+/// What a trainer counted.
+#[derive(Debug)]
+pub struct TrainerStats {
+    /// Samples started.
+    pub fed: AtomicU64,
+    /// Samples whose backward reached stage 0.
+    pub completed: AtomicU64,
+    /// Samples of microbatches that failed.
+    pub failed: AtomicU64,
+    /// Failed samples per reason.
+    pub failures: Mutex<BTreeMap<String, u64>>,
+    /// Per stage: samples whose backward a replica accepted.
+    pub stage_backward: Vec<AtomicU64>,
+    /// (step, loss) of every completed microbatch.
+    pub losses: Mutex<Vec<(u64, f32)>>,
+    /// The highest step a replica reported.
+    pub step: AtomicU64,
+    /// Calls repeated on another replica.
+    pub swaps: AtomicU64,
+}
+
+impl TrainerStats {
+    fn new(stages: usize) -> Self {
+        Self {
+            fed: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            failures: Mutex::new(BTreeMap::new()),
+            stage_backward: (0..stages).map(|_| AtomicU64::new(0)).collect(),
+            losses: Mutex::new(Vec::new()),
+            step: AtomicU64::new(0),
+            swaps: AtomicU64::new(0),
+        }
+    }
+
+    /// Mean loss of the last `n` completed microbatches.
+    pub fn recent_loss(&self, n: usize) -> Option<f64> {
+        let l = self.losses.lock().ok()?;
+        if l.is_empty() {
+            return None;
+        }
+        let tail = &l[l.len().saturating_sub(n)..];
+        Some(tail.iter().map(|(_, x)| *x as f64).sum::<f64>() / tail.len() as f64)
+    }
+}
+
+type Table = Vec<Vec<(PeerId, ReplicaState)>>;
+
+struct Ctx {
+    cfg: TrainerConfig,
+    client: StageClient,
+    stages: usize,
+    total_steps: u64,
+    table: Mutex<Table>,
+    stats: Arc<TrainerStats>,
+    rng: Mutex<Rng>,
+}
+
+/// A running trainer loop.
+pub struct Trainer {
+    stats: Arc<TrainerStats>,
+    client: StageClient,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer").finish()
+    }
+}
+
+impl Trainer {
+    /// Starts a trainer loop for the run.
+    pub fn spawn(net: NetHandle, m: &Manifest, cfg: TrainerConfig) -> Result<Self, TrainerError> {
+        let source = TokenSource::open(&m.config)?;
+        let stages = m.config.stages.count;
+        let client = StageClient::new(net, m.id.clone(), m.config.codecs.activations)
+            .with_timeout(cfg.call_timeout);
+        let stats = Arc::new(TrainerStats::new(stages));
+        let seed = derive_seed(m.config.training.data_seed, &format!("route/{}", cfg.index));
+        let ctx = Arc::new(Ctx {
+            cfg,
+            client: client.clone(),
+            stages,
+            total_steps: m.config.training.steps,
+            table: Mutex::new(vec![Vec::new(); stages]),
+            stats: Arc::clone(&stats),
+            rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let batch = m.config.training.batch_size;
+        let seq = m.config.model.seq_len;
+        let data_seed = m.config.training.data_seed;
+        let task = tokio::spawn(run(ctx, source, batch, seq, data_seed, stop_rx));
+        Ok(Self {
+            stats,
+            client,
+            stop,
+            task,
+        })
+    }
+
+    /// What it counted so far.
+    pub fn stats(&self) -> &Arc<TrainerStats> {
+        &self.stats
+    }
+
+    /// Bytes its calls moved.
+    pub fn client(&self) -> &StageClient {
+        &self.client
+    }
+
+    /// Whether the loop has ended (run finished or stopped).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops starting microbatches and waits for those in flight.
+    pub async fn stop(self) -> Arc<TrainerStats> {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+        self.stats
+    }
+
+    /// Waits for the loop to end on its own.
+    pub async fn wait(self) -> Arc<TrainerStats> {
+        let _ = self.task.await;
+        self.stats
+    }
+}
+
+async fn refresh(ctx: &Ctx) {
+    let net = ctx.client.net();
+    let Ok(per_stage) = registry::read_run(net, ctx.client.run(), ctx.stages).await else {
+        return;
+    };
+    let mut fresh: Table = Vec::with_capacity(ctx.stages);
+    for anns in per_stage {
+        let mut row = Vec::new();
+        for a in anns {
+            let Ok(peer) = a.peer.parse::<PeerId>() else {
+                continue;
+            };
+            let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+            let _ = net.add_addresses(peer, addrs).await;
+            row.push((peer, ReplicaState::announced(a.samples_per_s, a.queue)));
+        }
+        fresh.push(row);
+    }
+    let Ok(mut table) = ctx.table.lock() else {
+        return;
+    };
+    for (s, row) in fresh.iter_mut().enumerate() {
+        for (peer, st) in row.iter_mut() {
+            if let Some((_, old)) = table[s].iter().find(|(p, _)| p == peer) {
+                st.measured = old.measured;
+                st.in_flight = old.in_flight;
+                st.banned_until = old.banned_until;
+            }
+        }
+    }
+    *table = fresh;
+}
+
+async fn run(
+    ctx: Arc<Ctx>,
+    source: TokenSource,
+    batch: usize,
+    seq: usize,
+    data_seed: u64,
+    mut stop: watch::Receiver<bool>,
+) {
+    let refresher = {
+        let ctx = Arc::clone(&ctx);
+        tokio::spawn(async move {
+            loop {
+                refresh(&ctx).await;
+                tokio::time::sleep(ctx.cfg.refresh).await;
+            }
+        })
+    };
+    let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
+    let sem = Arc::new(Semaphore::new(ctx.cfg.concurrency.max(1)));
+    let mut counter: u64 = 0;
+    let tag = derive_seed(ctx.cfg.index, &ctx.client.local_peer_id().to_string()) << 24;
+    loop {
+        if *stop.borrow() || ctx.stats.step.load(Ordering::Relaxed) >= ctx.total_steps {
+            break;
+        }
+        if ctx.cfg.max_microbatches.is_some_and(|m| counter >= m) {
+            break;
+        }
+        let permit = tokio::select! {
+            p = Arc::clone(&sem).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = stop.changed() => continue,
+        };
+        let b = sampler.next_batch(&source, batch, seq);
+        counter += 1;
+        let mb = tag ^ counter;
+        let ctx2 = Arc::clone(&ctx);
+        tokio::spawn(async move {
+            microbatch(&ctx2, mb, b).await;
+            drop(permit);
+        });
+    }
+    let _ = sem.acquire_many(ctx.cfg.concurrency.max(1) as u32).await;
+    refresher.abort();
+}
+
+fn fail(ctx: &Ctx, n: u64, reason: String) {
+    ctx.stats.failed.fetch_add(n, Ordering::Relaxed);
+    if let Ok(mut f) = ctx.stats.failures.lock() {
+        *f.entry(reason).or_default() += n;
+    }
+}
+
+async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
+    let n = b.batch as u64;
+    ctx.stats.fed.fetch_add(n, Ordering::Relaxed);
+    let shape = (b.batch, b.seq_len);
+    let (x, y) = match (
+        Tensor::from_vec(b.inputs, shape, &Device::Cpu),
+        Tensor::from_vec(b.targets, shape, &Device::Cpu),
+    ) {
+        (Ok(x), Ok(y)) => (x, y),
+        _ => return fail(ctx, n, "could not build the batch tensors".into()),
+    };
+    let last = ctx.stages - 1;
+    let mut inputs = vec![x];
+    let mut used: Vec<Option<PeerId>> = vec![None; ctx.stages];
+    for s in 0..last {
+        let input = inputs[s].clone();
+        let r = call_stage(ctx, s, None, n, |peer, step| {
+            let c = ctx.client.clone();
+            let input = input.clone();
+            async move { c.forward(peer, s, step, mb, &input).await }
+        })
+        .await;
+        match r {
+            Ok((peer, out)) => {
+                used[s] = Some(peer);
+                inputs.push(out);
+            }
+            Err(reason) => return fail(ctx, n, reason),
+        }
+    }
+    let mut upstream = y;
+    for s in (0..=last).rev() {
+        let input = inputs[s].clone();
+        let up = upstream.clone();
+        let r = call_stage(ctx, s, used[s], n, |peer, step| {
+            let c = ctx.client.clone();
+            let (input, up) = (input.clone(), up.clone());
+            async move { c.backward(peer, s, step, mb, &input, &up).await }
+        })
+        .await;
+        match r {
+            Ok((_, reply)) => {
+                ctx.stats.stage_backward[s].fetch_add(n, Ordering::Relaxed);
+                ctx.stats.step.fetch_max(reply.step, Ordering::Relaxed);
+                if let Some(l) = reply.loss {
+                    if let Ok(mut ls) = ctx.stats.losses.lock() {
+                        ls.push((reply.step, l));
+                    }
+                }
+                match reply.grad_input {
+                    Some(g) => upstream = g,
+                    None if s > 0 => {
+                        return fail(ctx, n, format!("stage {s} returned no input gradient"))
+                    }
+                    None => {}
+                }
+            }
+            Err(reason) => return fail(ctx, n, reason),
+        }
+    }
+    ctx.stats.completed.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Runs `call` on a replica of stage `s` (the preferred one when usable), swapping to
+/// another replica on failure until the stage deadline.
+async fn call_stage<T, F, Fut>(
+    ctx: &Ctx,
+    s: usize,
+    preferred: Option<PeerId>,
+    samples: u64,
+    call: F,
+) -> Result<(PeerId, T), String>
+where
+    F: Fn(PeerId, u64) -> Fut,
+    Fut: Future<Output = Result<T, CallError>>,
+{
+    let mut last_usable = Instant::now();
+    let mut last_err = String::from("no replica announced");
+    let mut first = true;
+    loop {
+        let now = Instant::now();
+        let pick = {
+            let Ok(mut table) = ctx.table.lock() else {
+                return Err("trainer state poisoned".into());
+            };
+            let row = &mut table[s];
+            let pref = preferred
+                .filter(|_| first)
+                .and_then(|p| row.iter().position(|(q, st)| *q == p && st.usable(now)));
+            let states: Vec<ReplicaState> = row.iter().map(|(_, st)| st.clone()).collect();
+            let idx = pref.or_else(|| {
+                ctx.rng
+                    .lock()
+                    .ok()
+                    .and_then(|mut rng| routing::choose(&states, samples as f64, now, &mut rng))
+            });
+            idx.map(|i| {
+                row[i].1.in_flight += 1;
+                row[i].0
+            })
+        };
+        first = false;
+        let Some(peer) = pick else {
+            if last_usable.elapsed() >= ctx.cfg.stage_deadline {
+                return Err(format!(
+                    "stage {s}: no usable replica for {:?} ({last_err})",
+                    ctx.cfg.stage_deadline
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        last_usable = Instant::now();
+        let seen = ctx.client.counters().step.load(Ordering::Relaxed);
+        let step = ctx.stats.step.fetch_max(seen, Ordering::Relaxed).max(seen);
+        let t0 = Instant::now();
+        let mut r = call(peer, step).await;
+        // A stream that closes without an answer is usually libp2p-stream dropping an
+        // inbound stream under a burst, not a dead replica: ask the same replica again.
+        for _ in 0..2 {
+            if !matches!(&r, Err(CallError::Io(_))) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            r = call(peer, step).await;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let Ok(mut table) = ctx.table.lock() else {
+            return Err("trainer state poisoned".into());
+        };
+        let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
+        match r {
+            Ok(v) => {
+                if let Some((_, st)) = entry {
+                    st.in_flight = st.in_flight.saturating_sub(1);
+                    st.observe(samples as f64, secs);
+                }
+                return Ok((peer, v));
+            }
+            Err(e) => {
+                if let CallError::Remote {
+                    kind: ErrorKind::StaleStep,
+                    step: theirs,
+                    ..
+                } = &e
+                {
+                    // We were behind: catch up and ask again, the replica is fine.
+                    ctx.stats.step.fetch_max(*theirs, Ordering::Relaxed);
+                    if let Some((_, st)) = entry {
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                    }
+                    continue;
+                }
+                if matches!(
+                    e.kind(),
+                    Some(ErrorKind::BadTensor | ErrorKind::NonFinite | ErrorKind::BadRequest)
+                ) {
+                    if let Some((_, st)) = entry {
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                    }
+                    return Err(format!("stage {s}: {e}"));
+                }
+                let ban = match e.kind() {
+                    Some(ErrorKind::Overloaded) => Duration::from_millis(200),
+                    _ => ctx.cfg.ban,
+                };
+                if let Some((_, st)) = entry {
+                    st.in_flight = st.in_flight.saturating_sub(1);
+                    st.banned_until = Some(Instant::now() + ban);
+                }
+                ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
+                last_err = format!("{peer}: {e}");
+            }
+        }
+    }
+}

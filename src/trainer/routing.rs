@@ -1,0 +1,139 @@
+//! Stochastic wiring: which replica of a stage gets the next microbatch.
+//!
+//! Pure: a function of the replicas' state, the time and a random draw. Each replica's
+//! expected finish time for `work` samples is (requests ahead of ours + 1) × work over its
+//! throughput, where throughput blends what this trainer measured with what the replica
+//! announced. A replica is drawn with probability ∝ 1 / finish², which sends most work to
+//! the fastest-finishing replica but keeps every live one in use, so load spreads and fresh
+//! measurements keep coming (the spirit of SWARM's interleaved weighted round robin).
+
+use crate::rng::Rng;
+use std::time::Instant;
+
+/// What a trainer knows about one replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaState {
+    /// Announced samples/s.
+    pub announced: f64,
+    /// Samples/s this trainer measured (EWMA), if any.
+    pub measured: Option<f64>,
+    /// Announced queue length.
+    pub queue: u32,
+    /// This trainer's calls in flight to it.
+    pub in_flight: u32,
+    /// Not used before this instant (after a failure).
+    pub banned_until: Option<Instant>,
+}
+
+impl ReplicaState {
+    /// A replica known only by its announcement.
+    pub fn announced(samples_per_s: f64, queue: u32) -> Self {
+        Self {
+            announced: samples_per_s,
+            measured: None,
+            queue,
+            in_flight: 0,
+            banned_until: None,
+        }
+    }
+
+    /// The throughput used for planning.
+    pub fn throughput(&self) -> f64 {
+        let a = self.announced.max(1e-3);
+        match self.measured {
+            Some(m) => 0.5 * m.max(1e-3) + 0.5 * a,
+            None => a,
+        }
+    }
+
+    /// Seconds until `work` samples sent now would be done.
+    pub fn expected_finish(&self, work: f64) -> f64 {
+        (self.queue as f64 + self.in_flight as f64 + 1.0) * work / self.throughput()
+    }
+
+    /// Whether it may be used at `now`.
+    pub fn usable(&self, now: Instant) -> bool {
+        self.banned_until.is_none_or(|t| now >= t)
+    }
+
+    /// Folds one measured call (samples over seconds) into the EWMA.
+    pub fn observe(&mut self, samples: f64, seconds: f64) {
+        let s = samples / seconds.max(1e-6);
+        self.measured = Some(match self.measured {
+            Some(m) => 0.7 * m + 0.3 * s,
+            None => s,
+        });
+    }
+}
+
+/// Picks a replica for `work` samples; `None` when none is usable.
+pub fn choose(replicas: &[ReplicaState], work: f64, now: Instant, rng: &mut Rng) -> Option<usize> {
+    let weights: Vec<f64> = replicas
+        .iter()
+        .map(|r| {
+            if r.usable(now) {
+                let t = r.expected_finish(work);
+                1.0 / (t * t).max(1e-12)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let total: f64 = weights.iter().sum();
+    if total <= 0.0 {
+        return None;
+    }
+    let mut x = rng.next_f64() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if *w > 0.0 && x < *w {
+            return Some(i);
+        }
+        x -= w;
+    }
+    weights.iter().rposition(|w| *w > 0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn faster_and_less_loaded_replicas_get_more_work_but_all_get_some() {
+        let now = Instant::now();
+        let reps = vec![
+            ReplicaState::announced(100.0, 0),
+            ReplicaState::announced(200.0, 0),
+            ReplicaState::announced(200.0, 3),
+        ];
+        let mut rng = Rng::new(1);
+        let mut hits = [0usize; 3];
+        for _ in 0..10_000 {
+            hits[choose(&reps, 16.0, now, &mut rng).unwrap()] += 1;
+        }
+        assert!(hits[1] > hits[0] && hits[0] > hits[2], "{hits:?}");
+        assert!(hits.iter().all(|&h| h > 0), "{hits:?}");
+    }
+
+    #[test]
+    fn banned_replicas_are_skipped_until_their_ban_ends() {
+        let now = Instant::now();
+        let mut reps = vec![ReplicaState::announced(100.0, 0); 2];
+        reps[0].banned_until = Some(now + Duration::from_secs(5));
+        let mut rng = Rng::new(2);
+        for _ in 0..100 {
+            assert_eq!(choose(&reps, 1.0, now, &mut rng), Some(1));
+        }
+        reps[1].banned_until = Some(now + Duration::from_secs(5));
+        assert_eq!(choose(&reps, 1.0, now, &mut rng), None);
+        assert!(choose(&reps, 1.0, now + Duration::from_secs(6), &mut rng).is_some());
+    }
+
+    #[test]
+    fn measurements_move_the_estimate() {
+        let mut r = ReplicaState::announced(100.0, 0);
+        r.observe(10.0, 1.0);
+        assert!(r.throughput() < 100.0);
+        assert!(r.expected_finish(10.0) > ReplicaState::announced(100.0, 0).expected_finish(10.0));
+    }
+}
