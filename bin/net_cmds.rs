@@ -4,9 +4,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use shoal::dht::Manifest;
 use shoal::net::{self, keys, NetConfig};
-use shoal::swarm::peer::{Peer, PeerConfig, RunSource, StageChoice};
 use shoal::stage::service::ServiceConfig;
 use shoal::stage::status;
+use shoal::swarm::peer::{Peer, PeerConfig, RunSource, StageChoice};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -93,8 +93,8 @@ pub struct SwarmTrainArgs {
     /// Trainer loops in this process.
     #[arg(long, default_value_t = 1, value_name = "N")]
     trainers: usize,
-    /// Microbatches each loop keeps in flight.
-    #[arg(long, default_value_t = 2, value_name = "N")]
+    /// Microbatches each loop keeps in flight (more is faster but staler).
+    #[arg(long, default_value_t = 1, value_name = "N")]
     concurrency: usize,
     /// First data stream index (each loop reads its own stream).
     #[arg(long, default_value_t = 0, value_name = "I")]
@@ -201,14 +201,13 @@ async fn shutdown_signal() {
 }
 
 pub fn peer(a: PeerArgs) -> Result<ExitCode> {
-    let stage =
-        match a.stage.as_str() {
-            "auto" => StageChoice::Auto,
-            "none" => StageChoice::None,
-            s => StageChoice::Index(s.parse().map_err(|_| {
-                anyhow::anyhow!("--stage must be `auto`, `none` or a stage index, not {s:?}")
-            })?),
-        };
+    let stage = match a.stage.as_str() {
+        "auto" => StageChoice::Auto,
+        "none" => StageChoice::None,
+        s => StageChoice::Index(s.parse().map_err(|_| {
+            anyhow::anyhow!("--stage must be `auto`, `none` or a stage index, not {s:?}")
+        })?),
+    };
     let device = shoal::model::parse_device(&a.device).map_err(anyhow::Error::msg)?;
     if a.queue == 0 {
         bail!("--queue must be at least 1");
@@ -252,11 +251,22 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
         let log = |line: String| println!("{line}");
         let peer = Peer::start(cfg, &log).await?;
         println!("peer {} ready; Ctrl-C to stop", peer.net().local_peer_id());
-        let monitor = tokio::spawn(report_trainers(
-            peer.trainers().iter().map(|t| std::sync::Arc::clone(t.stats())).collect(),
-        ));
-        shutdown_signal().await;
-        monitor.abort();
+        if peer.trainers().is_empty() {
+            shutdown_signal().await;
+        } else {
+            let stats: Vec<_> = peer
+                .trainers()
+                .iter()
+                .map(|t| std::sync::Arc::clone(t.stats()))
+                .collect();
+            loop {
+                tokio::select! {
+                    _ = shutdown_signal() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                }
+                println!("{}", trainer_line(&stats, &peer));
+            }
+        }
         println!("stopping: finishing in-flight work, withdrawing announcements");
         peer.stop().await?;
         println!("stopped");
@@ -265,29 +275,15 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn report_trainers(stats: Vec<std::sync::Arc<shoal::trainer::TrainerStats>>) {
-    if stats.is_empty() {
-        return;
-    }
-    loop {
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        println!("{}", trainer_line(&stats));
-    }
-}
-
-fn trainer_line(stats: &[std::sync::Arc<shoal::trainer::TrainerStats>]) -> String {
+fn trainer_line(stats: &[std::sync::Arc<shoal::trainer::TrainerStats>], peer: &Peer) -> String {
     use std::sync::atomic::Ordering::Relaxed;
-    let step = stats.iter().map(|s| s.step.load(Relaxed)).max().unwrap_or(0);
-    let fed: u64 = stats.iter().map(|s| s.fed.load(Relaxed)).sum();
-    let done: u64 = stats.iter().map(|s| s.completed.load(Relaxed)).sum();
-    let failed: u64 = stats.iter().map(|s| s.failed.load(Relaxed)).sum();
-    let losses: Vec<f64> = stats.iter().filter_map(|s| s.recent_loss(8)).collect();
-    let loss = if losses.is_empty() {
-        f64::NAN
-    } else {
-        losses.iter().sum::<f64>() / losses.len() as f64
-    };
-    format!("trainers: step {step}  loss {loss:.4}  samples fed {fed} completed {done} failed {failed}")
+    let (mut wire, mut raw) = (0, 0);
+    for t in peer.trainers() {
+        let c = t.client().counters();
+        wire += c.sent.load(Relaxed) + c.received.load(Relaxed);
+        raw += c.raw.load(Relaxed);
+    }
+    shoal::trainer::report::Progress::of(stats, (wire, raw)).line()
 }
 
 pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
@@ -305,7 +301,11 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
         Manifest::load(p)?;
     }
     let bootstrap = parse_addrs(&a.net.bootstrap)?;
-    let mut netcfg = net_config(&a.net, libp2p::identity::Keypair::generate_ed25519(), Vec::new())?;
+    let mut netcfg = net_config(
+        &a.net,
+        libp2p::identity::Keypair::generate_ed25519(),
+        Vec::new(),
+    )?;
     netcfg.dht_server = false;
     let mut cfg = PeerConfig::new(source, netcfg, bootstrap, StageChoice::None);
     cfg.trainers = a.trainers;
@@ -315,20 +315,29 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     rt.block_on(async move {
         let log = |line: String| println!("{line}");
         let peer = Peer::start(cfg, &log).await?;
-        let stats: Vec<_> = peer.trainers().iter().map(|t| std::sync::Arc::clone(t.stats())).collect();
+        let stats: Vec<_> = peer
+            .trainers()
+            .iter()
+            .map(|t| std::sync::Arc::clone(t.stats()))
+            .collect();
         let started = std::time::Instant::now();
         loop {
             tokio::select! {
                 _ = shutdown_signal() => break,
                 _ = tokio::time::sleep(Duration::from_secs(2)) => {}
             }
-            println!("{}  ({:.0} s)", trainer_line(&stats), started.elapsed().as_secs_f64());
+            println!(
+                "{}  ({:.0} s)",
+                trainer_line(&stats, &peer),
+                started.elapsed().as_secs_f64()
+            );
             if peer.trainers().iter().all(|t| t.is_finished()) {
                 break;
             }
         }
+        let last = trainer_line(&stats, &peer);
         peer.stop().await?;
-        println!("done: {}", trainer_line(&stats));
+        println!("done: {last}");
         for s in &stats {
             if let Ok(f) = s.failures.lock() {
                 for (reason, n) in f.iter() {
@@ -453,4 +462,84 @@ pub fn bench_transfer(
     let rows = rt.block_on(shoal::bench::transfer::run(&cfg))?;
     print!("{}", shoal::bench::transfer::table(&cfg, &rows));
     Ok(ExitCode::SUCCESS)
+}
+
+pub fn demo(
+    stages: usize,
+    replicas: usize,
+    trainers: usize,
+    steps: Option<u64>,
+    churn: bool,
+) -> Result<ExitCode> {
+    if stages == 0 || replicas == 0 || trainers == 0 {
+        bail!("--stages, --replicas and --trainers must be at least 1");
+    }
+    if churn && replicas < 2 {
+        bail!("churn needs at least 2 replicas per stage (or pass --no-churn)");
+    }
+    let exe = std::env::current_exe().context("cannot find the shoal binary to start peers")?;
+    let steps = steps.unwrap_or(shoal::swarm::demo::DEMO_STEPS);
+    let cfg = shoal::swarm::demo::DemoConfig {
+        exe,
+        stages,
+        replicas,
+        trainers,
+        steps,
+        churn,
+    };
+    println!("shoal demo: a swarm of processes on 127.0.0.1 trains the built-in tiny model on the built-in Markov corpus");
+    let rt = runtime()?;
+    let r = rt.block_on(shoal::swarm::demo::run(&cfg, &|l| println!("{l}")))?;
+    let p = &r.progress;
+    println!(
+        "done: {} steps in {:.1} s, {:.1} samples/s; samples fed {} completed {} failed {}",
+        p.step,
+        r.seconds,
+        p.completed as f64 / r.seconds.max(1e-9),
+        p.fed,
+        p.completed,
+        p.failed
+    );
+    println!(
+        "wire: trainers moved {:.1} MB of frames for {:.1} MB of f32 tensors ({:.2}x smaller)",
+        p.wire as f64 / 1e6,
+        p.raw as f64 / 1e6,
+        p.raw as f64 / p.wire.max(1) as f64
+    );
+    for (s, reps) in r.hashes.iter().enumerate() {
+        let list: Vec<String> = reps
+            .iter()
+            .map(|(peer, step, hash)| format!("{}..@{step}:{hash}", &peer[..12.min(peer.len())]))
+            .collect();
+        println!("stage {s} replicas: {}", list.join("  "));
+    }
+    println!(
+        "replica parameters {}",
+        if r.identical {
+            "identical within every stage"
+        } else {
+            "DIFFER within a stage"
+        }
+    );
+    let entropy = r
+        .entropy
+        .map(|h| format!(", corpus entropy {h:.4} (gap {:.4})", r.eval_loss - h))
+        .unwrap_or_default();
+    match r.target {
+        Some(t) if r.eval_loss <= t && r.identical => {
+            println!(
+                "demo ok: eval loss {:.4} reached the target {t}{entropy}",
+                r.eval_loss
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(t) => {
+            println!(
+                "demo FAILED: eval loss {:.4} (target {t}){entropy}",
+                r.eval_loss
+            );
+            Ok(ExitCode::FAILURE)
+        }
+        None => Ok(ExitCode::SUCCESS),
+    }
 }

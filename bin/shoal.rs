@@ -30,7 +30,8 @@ struct Cli {
 enum Command {
     /// Train a run. `--local` trains every stage in this process.
     Train(TrainArgs),
-    /// Train the built-in tiny model on the built-in corpus and check it learned.
+    /// A swarm on this machine (bootstrap, replicas per stage, trainers, a replica killed
+    /// midway) trains the built-in tiny model; exits 0 if it reached the target loss.
     Demo(DemoArgs),
     /// Run manifests: `run new CONFIG` prints the run id.
     Run {
@@ -76,6 +77,18 @@ struct TrainArgs {
 
 #[derive(Args)]
 struct DemoArgs {
+    /// Train every stage in this one process instead of a swarm of processes.
+    #[arg(long)]
+    local: bool,
+    /// Replicas per stage (swarm demo).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    replicas: usize,
+    /// Trainer processes (swarm demo).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    trainers: usize,
+    /// Do not kill and replace a replica midway (swarm demo).
+    #[arg(long)]
+    no_churn: bool,
     #[command(flatten)]
     common: CommonArgs,
 }
@@ -269,6 +282,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             train(&cfg, &opts)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Demo(a) if !a.local => net_cmds::demo(
+            a.common.stages.unwrap_or(3),
+            a.replicas,
+            a.trainers,
+            a.common.steps,
+            !a.no_churn,
+        ),
         Command::Demo(a) => {
             let mut cfg = RunConfig::tiny();
             let opts = apply_common(&mut cfg, &a.common)?;

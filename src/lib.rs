@@ -27,8 +27,8 @@ pub mod net;
 pub mod rng;
 pub mod stage;
 pub mod swarm;
-pub mod trainer;
 pub mod train;
+pub mod trainer;
 pub mod wire;
 
 /// candle allocates a fresh buffer for every op; glibc serves large ones with mmap and

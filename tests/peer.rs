@@ -10,8 +10,8 @@ use shoal::dht::Manifest;
 use shoal::model::{Stage, Upstream};
 use shoal::net::{self, keys, NetConfig, NetHandle};
 use shoal::stage::client::{exchange, CallError, StageClient};
-use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
 use shoal::stage::{registry, STAGE_PROTOCOL};
+use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
 use shoal::wire::msg::{ErrorKind, Op, Request, MSG_VERSION};
 use shoal::wire::{CodecSpec, Limits};
 use std::path::PathBuf;
@@ -597,9 +597,13 @@ async fn state_snapshot_chunks_download() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = three_stage(CodecSpec::F32);
     let (m, path) = manifest_file(&dir, &cfg);
-    let p = start(peer_config(RunSource::File(path), vec![], StageChoice::Index(0)))
-        .await
-        .unwrap();
+    let p = start(peer_config(
+        RunSource::File(path),
+        vec![],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
     let pid = p.net().local_peer_id();
     let c = client(&p.addrs()[0], None).await;
     let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
@@ -607,7 +611,10 @@ async fn state_snapshot_chunks_download() {
     eprintln!("{} floats in {} chunks", info.len, info.hashes.len());
     for i in 0..info.hashes.len() {
         let v = sc.state_chunk(pid, 0, info.step, i as u32).await;
-        eprintln!("chunk {i}: {:?}", v.as_ref().map(|v| v.len()).map_err(|e| e.to_string()));
+        eprintln!(
+            "chunk {i}: {:?}",
+            v.as_ref().map(|v| v.len()).map_err(|e| e.to_string())
+        );
         v.unwrap();
     }
     let all = futures::future::join_all(
@@ -615,6 +622,9 @@ async fn state_snapshot_chunks_download() {
     )
     .await;
     for (i, v) in all.iter().enumerate() {
-        eprintln!("concurrent chunk {i}: {:?}", v.as_ref().map(|v| v.len()).map_err(|e| e.to_string()));
+        eprintln!(
+            "concurrent chunk {i}: {:?}",
+            v.as_ref().map(|v| v.len()).map_err(|e| e.to_string())
+        );
     }
 }

@@ -84,6 +84,8 @@ pub struct AvgStats {
     pub raw_bytes: AtomicU64,
     /// State downloads after falling behind.
     pub resyncs: AtomicU64,
+    /// Microseconds from freezing to applying, summed over rounds.
+    pub round_us: AtomicU64,
     /// Why the last state download failed, if it did.
     pub last_error: std::sync::Mutex<Option<String>>,
 }
@@ -106,6 +108,7 @@ struct Round {
     lost: u64,
     deadline: Instant,
     reduced_sent: bool,
+    started: Instant,
 }
 
 type Key = (u64, u32);
@@ -124,16 +127,17 @@ impl Drop for Averager {
 
 impl Averager {
     /// Starts averaging for `service`'s replica.
-    pub fn spawn(client: StageClient, service: Arc<StageService>, cfg: AveragerConfig, seed: u64) -> Self {
+    pub fn spawn(
+        client: StageClient,
+        service: Arc<StageService>,
+        cfg: AveragerConfig,
+        seed: u64,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(256);
         service.attach_averager(tx);
         let stats = Arc::new(AvgStats::default());
         let me = client.local_peer_id();
-        let n = service
-            .replica()
-            .lock()
-            .map(|r| r.stage().params().numel())
-            .unwrap_or(0);
+        let n = service.numel();
         let st = State {
             me,
             stage: service.stage(),
@@ -246,10 +250,17 @@ impl State {
         let debug = std::env::var_os("SHOAL_DEBUG_AVG").is_some();
         // Progress is repeated by the heartbeat anyway; round messages are retried, since a
         // lost part stalls the round until its deadline.
-        let tries = if matches!(msg, AvgMsg::Progress { .. }) { 1 } else { 4 };
+        let tries = if matches!(msg, AvgMsg::Progress { .. }) {
+            1
+        } else {
+            4
+        };
         tokio::spawn(async move {
             for i in 0..tries {
-                match client.send_avg(peer, stage, msg.clone(), frame.clone()).await {
+                match client
+                    .send_avg(peer, stage, msg.clone(), frame.clone())
+                    .await
+                {
                     Ok(()) => return,
                     Err(e) => {
                         if debug {
@@ -264,7 +275,12 @@ impl State {
 
     fn debug(&self, what: impl FnOnce() -> String) {
         if std::env::var_os("SHOAL_DEBUG_AVG").is_some() {
-            eprintln!("avg {} s{}: {}", &self.me.to_string()[46..], self.stage, what());
+            eprintln!(
+                "avg {} s{}: {}",
+                &self.me.to_string()[46..],
+                self.stage,
+                what()
+            );
         }
     }
 
@@ -282,7 +298,11 @@ impl State {
         // changes are sent at most every 100 ms.
         let since = self.last_sent_at.elapsed();
         let changed = self.last_sent.as_ref() != Some(&now_sig);
-        if (changed && since >= Duration::from_millis(100)) || since >= self.cfg.heartbeat {
+        let stepped = self.last_sent.as_ref().map(|l| l.0) != Some(st.params_step);
+        if stepped
+            || (changed && since >= Duration::from_millis(100))
+            || since >= self.cfg.heartbeat
+        {
             let msg = AvgMsg::Progress {
                 params_step: st.params_step,
                 accum_step: st.accum_step,
@@ -305,9 +325,19 @@ impl State {
         // Abandon a round past its deadline (frozen sums stay for the next attempt).
         if let Some(r) = &self.round {
             if Instant::now() > r.deadline {
-                let have = self.reduced.get(&(r.step, r.attempt)).map_or(0, |m| m.len());
+                let have = self
+                    .reduced
+                    .get(&(r.step, r.attempt))
+                    .map_or(0, |m| m.len());
                 let parts = self.parts.get(&(r.step, r.attempt)).map_or(0, |m| m.len());
-                self.debug(|| format!("round {}/{} timed out: parts {parts} reduced {have} of {}", r.step, r.attempt, r.members.len()));
+                self.debug(|| {
+                    format!(
+                        "round {}/{} timed out: parts {parts} reduced {have} of {}",
+                        r.step,
+                        r.attempt,
+                        r.members.len()
+                    )
+                });
                 self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
                 self.round = None;
             }
@@ -341,11 +371,7 @@ impl State {
                 let donors = if ahead.is_empty() {
                     leader.into_iter().collect()
                 } else {
-                    let top = self
-                        .live()
-                        .map(|(_, v)| v.params_step)
-                        .max()
-                        .unwrap_or(0);
+                    let top = self.live().map(|(_, v)| v.params_step).max().unwrap_or(0);
                     self.live()
                         .filter(|(_, v)| v.params_step == top)
                         .map(|(p, _)| *p)
@@ -361,10 +387,22 @@ impl State {
             return;
         }
         if st.accum_count + st.frozen_count >= self.cfg.target {
-            self.debug(|| format!("leader at {} same {} known {} views {}", st.params_step, same.len(), self.known.len(), self.views.len()));
+            self.debug(|| {
+                format!(
+                    "leader at {} same {} known {} views {}",
+                    st.params_step,
+                    same.len(),
+                    self.known.len(),
+                    self.views.len()
+                )
+            });
         }
         let s = st.params_step;
-        let mut total = if st.accum_step == s { st.accum_count } else { 0 } + st.frozen_count;
+        let mut total = if st.accum_step == s {
+            st.accum_count
+        } else {
+            0
+        } + st.frozen_count;
         for (_, v) in &same {
             total += if v.accum_step == s { v.count } else { 0 } + v.frozen;
         }
@@ -377,9 +415,7 @@ impl State {
         // at start, for every known replica to be heard from: a round without them would
         // leave them behind again.
         let grace = self.cfg.heartbeat * 5;
-        let lagging = self
-            .live()
-            .any(|(_, v)| v.params_step < st.params_step);
+        let lagging = self.live().any(|(_, v)| v.params_step < st.params_step);
         let unheard = self.known.iter().any(|p| !self.views.contains_key(p));
         if (lagging || (unheard && self.started.elapsed() < self.cfg.live_timeout))
             && ready.elapsed() < grace
@@ -404,12 +440,46 @@ impl State {
         let mut members: Vec<PeerId> = same.iter().map(|(p, _)| *p).collect();
         members.push(self.me);
         members.sort();
+        // Quotas: the target batch, taken from the members' pending samples in order. When
+        // rounds fall behind (twice the target waiting), take everything to catch up.
+        let pending_of = |p: &PeerId| -> u64 {
+            if *p == self.me {
+                (if st.accum_step == s {
+                    st.accum_count
+                } else {
+                    0
+                }) + st.frozen_count
+            } else {
+                same.iter().find(|(q, _)| q == p).map_or(0, |(_, v)| {
+                    (if v.accum_step == s { v.count } else { 0 }) + v.frozen
+                })
+            }
+        };
+        let target = self.cfg.target.max(1);
+        let mut left = if total >= 2 * target { total } else { target };
+        // Fair shares: smallest pending first, each taking at most an equal share of what
+        // is left, so no replica's samples wait behind another's (staleness).
+        let pend: Vec<u64> = members.iter().map(pending_of).collect();
+        let mut order: Vec<usize> = (0..members.len()).collect();
+        order.sort_by_key(|&i| pend[i]);
+        let mut quotas = vec![0u64; members.len()];
+        for (k, &i) in order.iter().enumerate() {
+            let share = left.div_ceil((members.len() - k) as u64);
+            quotas[i] = pend[i].min(share);
+            left -= quotas[i];
+        }
         let attempt = self.rng.next_u64() as u32;
-        self.debug(|| format!("round {s}/{attempt} members {} total {total}", members.len()));
+        self.debug(|| {
+            format!(
+                "round {s}/{attempt} members {} total {total}",
+                members.len()
+            )
+        });
         let msg = AvgMsg::Members {
             step: s,
             attempt,
             members: members.iter().map(|p| p.to_string()).collect(),
+            quotas: quotas.clone(),
             lost,
         };
         for &p in &members {
@@ -417,7 +487,7 @@ impl State {
                 self.send(p, msg.clone(), None);
             }
         }
-        self.on_members(s, attempt, members, lost).await;
+        self.on_members(s, attempt, members, quotas, lost).await;
     }
 
     async fn resync(&mut self, donors: &[PeerId]) {
@@ -435,14 +505,15 @@ impl State {
             let replica = self.service.replica();
             let ok = tokio::task::spawn_blocking(move || {
                 replica
-                    .lock()
+                    .blocking_lock()
+                    .restore(&snap)
+                    .map(|_| ())
                     .map_err(|_| ())
-                    .and_then(|mut r| r.restore(&snap).map(|_| ()).map_err(|_| ()))
             })
             .await;
             if matches!(ok, Ok(Ok(()))) {
                 self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
-                self.service.refresh_status();
+                self.service.refresh_status().await;
                 self.parts.clear();
                 self.reduced.clear();
             }
@@ -477,10 +548,13 @@ impl State {
                 step,
                 attempt,
                 members,
+                quotas,
                 lost,
             } => {
                 let members: Vec<PeerId> = members.iter().filter_map(|m| m.parse().ok()).collect();
-                self.on_members(step, attempt, members, lost).await;
+                if members.len() == quotas.len() {
+                    self.on_members(step, attempt, members, quotas, lost).await;
+                }
             }
             AvgMsg::Part {
                 step,
@@ -513,10 +587,22 @@ impl State {
         }
     }
 
-    async fn on_members(&mut self, step: u64, attempt: u32, members: Vec<PeerId>, lost: u64) {
+    async fn on_members(
+        &mut self,
+        step: u64,
+        attempt: u32,
+        members: Vec<PeerId>,
+        quotas: Vec<u64>,
+        lost: u64,
+    ) {
         let st = self.status();
         if step != st.params_step {
-            self.debug(|| format!("ignored members {step}/{attempt} at step {}", st.params_step));
+            self.debug(|| {
+                format!(
+                    "ignored members {step}/{attempt} at step {}",
+                    st.params_step
+                )
+            });
             return;
         }
         let Some(index) = members.iter().position(|p| *p == self.me) else {
@@ -527,19 +613,12 @@ impl State {
                 return;
             }
         }
-        let replica = self.service.replica();
-        let frozen = tokio::task::spawn_blocking(move || {
-            replica
-                .lock()
-                .map_err(|_| ())
-                .and_then(|mut r| r.freeze(step).map_err(|_| ()))
-        })
-        .await;
-        let Ok(Ok(frozen)) = frozen else {
+        let quota = quotas.get(index).copied().unwrap_or(u64::MAX);
+        let frozen = self.service.freeze(step, quota);
+        let Ok(frozen) = frozen else {
             self.debug(|| format!("freeze {step} failed"));
             return;
         };
-        self.service.refresh_status();
         self.round = Some(Round {
             step,
             attempt,
@@ -548,6 +627,7 @@ impl State {
             lost,
             deadline: Instant::now() + self.cfg.round_timeout,
             reduced_sent: false,
+            started: Instant::now(),
         });
         let ranges = reduce::partition(frozen.sum.len(), members.len());
         for (i, (&p, range)) in members.iter().zip(ranges).enumerate() {
@@ -608,7 +688,12 @@ impl State {
         // Apply exactly what the others will decode.
         let Some(exact) = decode(&frame) else { return };
         let (step, attempt, index) = (r.step, r.attempt, r.index as u32);
-        let others: Vec<PeerId> = r.members.iter().copied().filter(|m| *m != self.me).collect();
+        let others: Vec<PeerId> = r
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != self.me)
+            .collect();
         for p in others {
             self.stats
                 .bytes_sent
@@ -655,13 +740,13 @@ impl State {
                 _ => return,
             }
         }
-        let (step, lost) = (r.step, r.lost);
+        let (step, lost, started) = (r.step, r.lost, r.started);
         let replica = self.service.replica();
         let applied = tokio::task::spawn_blocking(move || {
             replica
-                .lock()
+                .blocking_lock()
+                .apply(step, &avg, total, lost)
                 .map_err(|_| ())
-                .and_then(|mut r| r.apply(step, &avg, total, lost).map_err(|_| ()))
         })
         .await;
         self.round = None;
@@ -669,8 +754,11 @@ impl State {
         self.reduced.retain(|(s, _), _| *s > step);
         if matches!(applied, Ok(Ok(()))) {
             self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .round_us
+                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         }
-        self.service.refresh_status();
+        self.service.refresh_status().await;
     }
 }
 

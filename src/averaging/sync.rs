@@ -62,9 +62,11 @@ pub async fn download(
     want_len: usize,
     rng: &mut Rng,
 ) -> Result<(Snapshot, SyncReport), SyncError> {
-    let infos = join_all(candidates.iter().map(|&p| async move {
-        (p, client.state_info(p, stage).await)
-    }))
+    let infos = join_all(
+        candidates
+            .iter()
+            .map(|&p| async move { (p, client.state_info(p, stage).await) }),
+    )
     .await;
     let mut errors = Vec::new();
     // Group donors by what they offer; the newest step with the most donors wins.
@@ -111,7 +113,10 @@ pub async fn download(
                 'tries: for round in 0..2 {
                     for j in 0..d {
                         let who = (k + j) % d;
-                        match client.state_chunk(donors[who], stage, info.step, i as u32).await {
+                        match client
+                            .state_chunk(donors[who], stage, info.step, i as u32)
+                            .await
+                        {
                             Ok(v) if chunk_hash(&v) == info.hashes[i] => {
                                 done = Some((who, v));
                                 break 'tries;

@@ -179,7 +179,9 @@ impl StageClient {
         let sent: usize = frames.iter().map(|f| f.len()).sum();
         let got: usize = reply.iter().map(|f| f.len()).sum();
         self.counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
-        self.counters.received.fetch_add(got as u64, Ordering::Relaxed);
+        self.counters
+            .received
+            .fetch_add(got as u64, Ordering::Relaxed);
         self.counters.step.fetch_max(header.step, Ordering::Relaxed);
         if let Some(e) = header.error {
             return Err(CallError::Remote {
@@ -200,15 +202,27 @@ impl StageClient {
         mb: u64,
         input: &Tensor,
     ) -> Result<Tensor, CallError> {
+        Ok(self.forward_step(peer, stage, step, mb, input).await?.0)
+    }
+
+    /// Forward, also returning the replica's step.
+    pub async fn forward_step(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        step: u64,
+        mb: u64,
+        input: &Tensor,
+    ) -> Result<(Tensor, u64), CallError> {
         let frame = tensor::encode(input, &self.codec)?;
         let req = self.request(stage, step, mb, Op::Forward, 1);
-        let (_, frames) = self.call(peer, &req, &[frame]).await?;
+        let (header, frames) = self.call(peer, &req, &[frame]).await?;
         let f = frames
             .first()
             .ok_or_else(|| CallError::Protocol("forward reply has no tensor".into()))?;
         let out = tensor::decode(f, &self.limits, &self.device)?.tensor;
         self.count_raw(&[input, &out]);
-        Ok(out)
+        Ok((out, header.step))
     }
 
     /// Backward through `stage` on `peer`: `upstream` is the gradient of its output, or

@@ -168,3 +168,56 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
         local_loss,
     })
 }
+
+/// Mean held-out loss of the swarm's current parameters over `batches` eval batches:
+/// forward only (nothing is accumulated), the loss computed here from the last stage's
+/// logits. Uses the highest-throughput replica of each stage.
+pub async fn evaluate(net: &NetHandle, m: &Manifest, batches: usize) -> Result<f64, ProbeError> {
+    let cfg = &m.config;
+    let count = cfg.stages.count;
+    let per_stage = registry::read_run(net, &m.id, count)
+        .await
+        .map_err(RegistryError::from)?;
+    let mut peers = Vec::with_capacity(count);
+    for (s, anns) in per_stage.iter().enumerate() {
+        let a = pick(anns).ok_or(ProbeError::NoReplica(s))?;
+        let peer: PeerId = a
+            .peer
+            .parse()
+            .map_err(|e| ProbeError::Announcement(format!("{e}")))?;
+        let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+        net.add_addresses(peer, addrs)
+            .await
+            .map_err(RegistryError::from)?;
+        peers.push(peer);
+    }
+    let source = TokenSource::open(cfg)?;
+    let mut sampler = Sampler::eval(cfg.training.data_seed);
+    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);
+    let mut total = 0.0;
+    for _ in 0..batches.max(1) {
+        let b = sampler.next_batch(&source, cfg.training.batch_size, cfg.model.seq_len);
+        let shape = (b.batch, b.seq_len);
+        let mut h = Tensor::from_vec(b.inputs, shape, &Device::Cpu).map_err(ModelError::from)?;
+        let y = Tensor::from_vec(b.targets, shape, &Device::Cpu).map_err(ModelError::from)?;
+        for (s, &peer) in peers.iter().enumerate() {
+            h = client
+                .forward(peer, s, u64::MAX / 2, 0, &h)
+                .await
+                .map_err(|cause| ProbeError::Call {
+                    stage: s,
+                    peer: peer.to_string(),
+                    cause,
+                })?;
+        }
+        let (bb, t, v) = h.dims3().map_err(ModelError::from)?;
+        let loss = candle_nn::loss::cross_entropy(
+            &h.reshape((bb * t, v)).map_err(ModelError::from)?,
+            &y.flatten_all().map_err(ModelError::from)?,
+        )
+        .and_then(|l| l.to_scalar::<f32>())
+        .map_err(ModelError::from)?;
+        total += loss as f64;
+    }
+    Ok(total / batches.max(1) as f64)
+}

@@ -12,6 +12,7 @@ use crate::config::RunConfig;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use candle_core::Tensor;
 use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
 
 /// Microbatch ids remembered for at-most-once accumulation.
 const SEEN_CAP: usize = 1 << 16;
@@ -47,15 +48,13 @@ pub struct Replica {
     stage: Stage,
     opt: AdamW,
     params_step: u64,
-    accum: Option<Vec<Tensor>>,
-    accum_count: u64,
-    frozen: Option<Frozen>,
-    seen: HashSet<u64>,
-    seen_order: VecDeque<u64>,
+    accum: Arc<Mutex<Accum>>,
+    numel: usize,
     samples_applied: u64,
     samples_lost: u64,
     samples_dropped: u64,
     params_hash: String,
+    history: Vec<(u64, String)>,
 }
 
 impl std::fmt::Debug for Replica {
@@ -63,7 +62,7 @@ impl std::fmt::Debug for Replica {
         f.debug_struct("Replica")
             .field("stage", &self.stage.index())
             .field("params_step", &self.params_step)
-            .field("accum_count", &self.accum_count)
+            .field("accum_count", &self.accum_count())
             .finish()
     }
 }
@@ -112,18 +111,17 @@ impl Replica {
     pub fn new(cfg: &RunConfig, stage: Stage) -> Result<Self, ModelError> {
         let opt = AdamW::new(&cfg.optimizer, cfg.training.steps, stage.params())?;
         let params_hash = hash_of(&stage)?;
+        let numel = stage.params().numel();
         Ok(Self {
             stage,
             opt,
             params_step: 0,
-            accum: None,
-            accum_count: 0,
-            frozen: None,
-            seen: HashSet::new(),
-            seen_order: VecDeque::new(),
+            accum: Arc::new(Mutex::new(Accum::default())),
+            numel,
             samples_applied: 0,
             samples_lost: 0,
             samples_dropped: 0,
+            history: vec![(0, params_hash.clone())],
             params_hash,
         })
     }
@@ -138,22 +136,28 @@ impl Replica {
         self.params_step
     }
 
+    fn acc(&self) -> std::sync::MutexGuard<'_, Accum> {
+        self.accum.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The gradient accumulator, which the averager freezes without waiting for compute.
+    pub fn accumulator(&self) -> Arc<Mutex<Accum>> {
+        Arc::clone(&self.accum)
+    }
+
     /// The step backward passes accumulate toward now.
     pub fn accum_step(&self) -> u64 {
-        match &self.frozen {
-            Some(f) if f.step == self.params_step => self.params_step + 1,
-            _ => self.params_step,
-        }
+        self.acc().accum_step()
     }
 
     /// Samples accumulated toward [`Self::accum_step`].
     pub fn accum_count(&self) -> u64 {
-        self.accum_count
+        self.acc().count
     }
 
     /// Samples frozen for a round in progress.
     pub fn frozen_count(&self) -> u64 {
-        self.frozen.as_ref().map_or(0, |f| f.count)
+        self.acc().frozen.as_ref().map_or(0, |f| f.count)
     }
 
     /// Samples in every step applied so far.
@@ -171,6 +175,11 @@ impl Replica {
         self.samples_dropped
     }
 
+    /// (step, parameter hash) after every applied step and every state download.
+    pub fn history(&self) -> &[(u64, String)] {
+        &self.history
+    }
+
     /// Hex hash of the parameters.
     pub fn params_hash(&self) -> &str {
         &self.params_hash
@@ -185,59 +194,30 @@ impl Replica {
         mb: u64,
     ) -> Result<(StageGrads, bool), ModelError> {
         let g = self.stage.backward(input, upstream)?;
-        if !self.seen.insert(mb) {
+        let n = input.dims().first().copied().unwrap_or(0) as u64;
+        let fresh = self.acc().admit(mb);
+        if !fresh {
             return Ok((g, false));
         }
-        self.seen_order.push_back(mb);
-        if self.seen_order.len() > SEEN_CAP {
-            if let Some(old) = self.seen_order.pop_front() {
-                self.seen.remove(&old);
-            }
-        }
-        let n = input.dims().first().copied().unwrap_or(0) as u64;
         let weighted: Vec<Tensor> = g
             .grads
             .iter()
             .map(|t| t.affine(n as f64, 0.0))
             .collect::<candle_core::Result<_>>()?;
-        self.accum = Some(match self.accum.take() {
-            None => weighted,
-            Some(acc) => acc
-                .iter()
-                .zip(&weighted)
-                .map(|(a, b)| a + b)
-                .collect::<candle_core::Result<_>>()?,
-        });
-        self.accum_count += n;
+        let mut a = self.acc();
+        a.pending.push_back((n, weighted));
+        a.count += n;
         Ok((g, true))
     }
 
-    /// Freezes the accumulator for step `step` (the current `params_step`) and returns it;
-    /// repeated calls for the same step return the same sum (for retried rounds).
-    pub fn freeze(&mut self, step: u64) -> Result<Frozen, ModelError> {
-        if step != self.params_step {
-            return Err(ModelError::BadInput(format!(
-                "cannot freeze step {step} at step {}",
-                self.params_step
-            )));
-        }
-        if let Some(f) = &self.frozen {
-            if f.step == step {
-                return Ok(f.clone());
-            }
-        }
-        let sum = match self.accum.take() {
-            Some(acc) => flatten(&acc)?,
-            None => vec![0.0; self.stage.params().numel()],
-        };
-        let f = Frozen {
-            step,
-            sum,
-            count: self.accum_count,
-        };
-        self.accum_count = 0;
-        self.frozen = Some(f.clone());
-        Ok(f)
+    /// Freezes the gradients of step `step` (the current `params_step`) and returns their
+    /// sum: the oldest microbatches, up to `quota` samples (at least one microbatch); the
+    /// rest waits for the next step, so a step holds the target batch, not whatever arrived
+    /// while the round was forming. Repeated calls for the same step return the same sum
+    /// (for retried rounds).
+    pub fn freeze(&mut self, step: u64, quota: u64) -> Result<Frozen, ModelError> {
+        let numel = self.numel;
+        self.acc().freeze(step, quota, numel)
     }
 
     /// Applies the averaged gradient of step `step`, which held `samples` samples; `lost`
@@ -267,8 +247,14 @@ impl Replica {
         self.params_step += 1;
         self.samples_applied += samples;
         self.samples_lost += lost;
-        self.frozen = None;
+        {
+            let mut a = self.acc();
+            a.frozen = None;
+            a.params_step = self.params_step;
+        }
         self.params_hash = hash_of(&self.stage)?;
+        self.history
+            .push((self.params_step, self.params_hash.clone()));
         Ok(())
     }
 
@@ -327,11 +313,107 @@ impl Replica {
         self.samples_applied = snap.samples_applied;
         self.samples_lost = snap.samples_lost;
         self.params_hash = hash_of(&self.stage)?;
-        let dropped = self.accum_count + self.frozen.as_ref().map_or(0, |f| f.count);
-        self.accum = None;
-        self.accum_count = 0;
-        self.frozen = None;
+        self.history
+            .push((self.params_step, self.params_hash.clone()));
+        let dropped = {
+            let mut a = self.acc();
+            let d = a.count + a.frozen.as_ref().map_or(0, |f| f.count);
+            a.pending.clear();
+            a.count = 0;
+            a.frozen = None;
+            a.params_step = snap.step;
+            d
+        };
         self.samples_dropped += dropped;
         Ok(dropped)
+    }
+}
+
+/// Gradients waiting for their step: per-microbatch sums in arrival order, the sum frozen
+/// for the round in progress, and the microbatch ids already taken.
+#[derive(Default)]
+pub struct Accum {
+    pending: VecDeque<(u64, Vec<Tensor>)>,
+    count: u64,
+    frozen: Option<Frozen>,
+    params_step: u64,
+    seen: HashSet<u64>,
+    seen_order: VecDeque<u64>,
+}
+
+impl Accum {
+    /// (accum_step, pending samples, frozen samples).
+    pub fn counts(&self) -> (u64, u64, u64) {
+        (
+            self.accum_step(),
+            self.count,
+            self.frozen.as_ref().map_or(0, |f| f.count),
+        )
+    }
+
+    fn accum_step(&self) -> u64 {
+        match &self.frozen {
+            Some(f) if f.step == self.params_step => self.params_step + 1,
+            _ => self.params_step,
+        }
+    }
+
+    /// Whether `mb` is new (and remembers it).
+    fn admit(&mut self, mb: u64) -> bool {
+        if !self.seen.insert(mb) {
+            return false;
+        }
+        self.seen_order.push_back(mb);
+        if self.seen_order.len() > SEEN_CAP {
+            if let Some(old) = self.seen_order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        true
+    }
+
+    /// See [`Replica::freeze`].
+    pub fn freeze(&mut self, step: u64, quota: u64, numel: usize) -> Result<Frozen, ModelError> {
+        if step != self.params_step {
+            return Err(ModelError::BadInput(format!(
+                "cannot freeze step {step} at step {}",
+                self.params_step
+            )));
+        }
+        if let Some(f) = &self.frozen {
+            if f.step == step {
+                return Ok(f.clone());
+            }
+        }
+        let mut taken: Option<Vec<Tensor>> = None;
+        let mut count = 0;
+        while let Some((n, _)) = self.pending.front() {
+            if quota == 0 || (count > 0 && count + n > quota) {
+                break;
+            }
+            let Some((n, g)) = self.pending.pop_front() else {
+                break;
+            };
+            count += n;
+            taken = Some(match taken {
+                None => g,
+                Some(acc) => acc
+                    .iter()
+                    .zip(&g)
+                    .map(|(a, b)| a + b)
+                    .collect::<candle_core::Result<_>>()?,
+            });
+            if count >= quota {
+                break;
+            }
+        }
+        let sum = match taken {
+            Some(acc) => flatten(&acc)?,
+            None => vec![0.0; numel],
+        };
+        let f = Frozen { step, sum, count };
+        self.count -= count;
+        self.frozen = Some(f.clone());
+        Ok(f)
     }
 }

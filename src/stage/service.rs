@@ -7,7 +7,7 @@
 //! works through the queue; a bad tensor, NaN input or failing op becomes a typed error
 //! response, and the replica goes on with the next request.
 
-use super::replica::{Replica, Snapshot};
+use super::replica::{Accum, Frozen, Replica, Snapshot};
 use super::tensor;
 use super::STAGE_PROTOCOL;
 use crate::dht::Manifest;
@@ -132,8 +132,10 @@ struct Shared {
     readers: Arc<Semaphore>,
     info: Mutex<Option<String>>,
     counters: Counters,
-    replica: Arc<Mutex<Replica>>,
+    replica: Arc<tokio::sync::Mutex<Replica>>,
     status: Mutex<ReplicaStatus>,
+    numel: usize,
+    accum: Arc<Mutex<Accum>>,
     progress: Arc<Notify>,
     avg_tx: Mutex<Option<mpsc::Sender<Inbound>>>,
     snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
@@ -188,12 +190,19 @@ impl StageService {
     pub fn start(
         net: &NetHandle,
         manifest: &Manifest,
-        replica: Arc<Mutex<Replica>>,
+        replica: Arc<tokio::sync::Mutex<Replica>>,
         cfg: ServiceConfig,
     ) -> Result<Self, NetError> {
-        let (stage, status) = {
-            let r = lock(&replica);
-            (r.stage().index() as u32, ReplicaStatus::of(&r))
+        let (stage, status, numel, accum) = {
+            let r = replica
+                .try_lock()
+                .map_err(|_| NetError::Invalid("the replica is in use".into()))?;
+            (
+                r.stage().index() as u32,
+                ReplicaStatus::of(&r),
+                r.stage().params().numel(),
+                r.accumulator(),
+            )
         };
         let (tx, rx) = mpsc::channel(cfg.queue_cap.max(1));
         let shared = Arc::new(Shared {
@@ -207,6 +216,8 @@ impl StageService {
             counters: Counters::default(),
             replica,
             status: Mutex::new(status),
+            numel,
+            accum,
             progress: Arc::new(Notify::new()),
             avg_tx: Mutex::new(None),
             snapshots: Mutex::new(VecDeque::new()),
@@ -252,9 +263,25 @@ impl StageService {
         lock(&self.shared.status).clone()
     }
 
-    /// Re-reads the training status from the replica (blocks while it computes).
-    pub fn refresh_status(&self) -> ReplicaStatus {
-        let st = ReplicaStatus::of(&lock(&self.shared.replica));
+    /// Freezes step `step`'s gradients (up to `quota` samples) without waiting for compute.
+    pub fn freeze(&self, step: u64, quota: u64) -> Result<Frozen, ModelError> {
+        let f = lock(&self.shared.accum).freeze(step, quota, self.shared.numel)?;
+        let (accum_step, count, frozen) = lock(&self.shared.accum).counts();
+        let mut st = lock(&self.shared.status);
+        st.accum_step = accum_step;
+        st.accum_count = count;
+        st.frozen_count = frozen;
+        Ok(f)
+    }
+
+    /// Parameters of the stage.
+    pub fn numel(&self) -> usize {
+        self.shared.numel
+    }
+
+    /// Re-reads the training status from the replica (waits its turn behind compute).
+    pub async fn refresh_status(&self) -> ReplicaStatus {
+        let st = ReplicaStatus::of(&*self.shared.replica.lock().await);
         *lock(&self.shared.status) = st.clone();
         self.shared.progress.notify_one();
         st
@@ -265,8 +292,9 @@ impl StageService {
         self.status().params_hash
     }
 
-    /// The replica's state.
-    pub fn replica(&self) -> Arc<Mutex<Replica>> {
+    /// The replica's state. The lock is fair (first come, first served), so the averager
+    /// gets its turn between two backward passes even under load.
+    pub fn replica(&self) -> Arc<tokio::sync::Mutex<Replica>> {
         Arc::clone(&self.shared.replica)
     }
 
@@ -453,7 +481,7 @@ fn chunk_hashes(flat: &[f32]) -> Vec<String> {
 
 async fn state_info(shared: &Arc<Shared>) -> Reply {
     let replica = Arc::clone(&shared.replica);
-    let snap = tokio::task::spawn_blocking(move || lock(&replica).snapshot()).await;
+    let snap = tokio::task::spawn_blocking(move || replica.blocking_lock().snapshot()).await;
     let snap = match snap {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return refusal(shared, ErrorKind::Internal, e.to_string()),
@@ -643,7 +671,7 @@ impl Worker {
     }
 
     fn process(&self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {
-        let mut r = lock(&self.shared.replica);
+        let mut r = self.shared.replica.blocking_lock();
         let input = self.input(&r, &frames[0], "input")?;
         match req.op {
             Op::Forward => {

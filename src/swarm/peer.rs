@@ -8,16 +8,16 @@
 
 use crate::averaging::sync::{self, SyncError, SyncReport};
 use crate::averaging::{Averager, AveragerConfig};
-use crate::rng::Rng;
-use crate::stage::client::StageClient;
-use crate::stage::registry::{self, RegistryError};
-use crate::trainer::{Trainer, TrainerConfig, TrainerError};
-use crate::stage::replica::Replica;
-use crate::stage::select;
-use crate::stage::service::{measure_throughput, ServiceConfig, StageService};
 use crate::dht::{self, Announcement, Manifest, ManifestError};
 use crate::model::{ModelError, Stage};
 use crate::net::{self, NetConfig, NetError, NetHandle};
+use crate::rng::Rng;
+use crate::stage::client::StageClient;
+use crate::stage::registry::{self, RegistryError};
+use crate::stage::replica::Replica;
+use crate::stage::select;
+use crate::stage::service::{measure_throughput, ServiceConfig, StageService};
+use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
 use libp2p::{Multiaddr, PeerId};
 use std::path::PathBuf;
@@ -86,7 +86,12 @@ pub struct PeerConfig {
 
 impl PeerConfig {
     /// Defaults: serve `stage` of `run`, joining through `bootstrap`.
-    pub fn new(run: RunSource, net: NetConfig, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> Self {
+    pub fn new(
+        run: RunSource,
+        net: NetConfig,
+        bootstrap: Vec<Multiaddr>,
+        stage: StageChoice,
+    ) -> Self {
         Self {
             run,
             net,
@@ -252,7 +257,8 @@ impl Peer {
         for i in 0..cfg.trainers {
             let mut tcfg = cfg.trainer.clone();
             tcfg.index = crate::rng::derive_seed(cfg.trainer.index, &format!("{me}/{i}"));
-            peer.trainers.push(Trainer::spawn(net.clone(), &manifest, tcfg)?);
+            peer.trainers
+                .push(Trainer::spawn(net.clone(), &manifest, tcfg)?);
         }
         if cfg.trainers > 0 {
             log(format!("running {} trainer loop(s)", cfg.trainers));
@@ -292,8 +298,7 @@ impl Peer {
                 &self.net.local_peer_id().to_string(),
             ));
             let len = replica.snapshot_len();
-            let (snap, report) =
-                sync::download(&client, stage_idx, donors, len, &mut rng).await?;
+            let (snap, report) = sync::download(&client, stage_idx, donors, len, &mut rng).await?;
             replica.restore(&snap)?;
             log(format!(
                 "synced stage {stage_idx} at step {} from {} donor(s), chunks {:?}",
@@ -303,7 +308,7 @@ impl Peer {
             ));
             self.synced = Some(report);
         }
-        let replica = Arc::new(std::sync::Mutex::new(replica));
+        let replica = Arc::new(tokio::sync::Mutex::new(replica));
         let service = Arc::new(StageService::start(
             &self.net,
             manifest,
@@ -314,16 +319,9 @@ impl Peer {
             manifest.config.target_batch_size() as u64,
             manifest.config.codecs.gradients,
         );
-        let seed = crate::rng::derive_seed(
-            crate::dht::now_ms(),
-            &self.net.local_peer_id().to_string(),
-        );
-        self.averager = Some(Averager::spawn(
-            client,
-            Arc::clone(&service),
-            avg_cfg,
-            seed,
-        ));
+        let seed =
+            crate::rng::derive_seed(crate::dht::now_ms(), &self.net.local_peer_id().to_string());
+        self.averager = Some(Averager::spawn(client, Arc::clone(&service), avg_cfg, seed));
         log(format!(
             "serving stage {stage_idx} of {count} on {}: {samples_per_s:.1} samples/s",
             cfg.device_name
@@ -401,14 +399,9 @@ impl Peer {
         if let (Some(svc), Some(path)) = (&self.service, &self.checkpoint) {
             let replica = svc.replica();
             let path = path.clone();
-            let r = tokio::task::spawn_blocking(move || {
-                replica
-                    .lock()
-                    .map_err(|_| ModelError::Checkpoint("replica state poisoned".into()))
-                    .and_then(|r| r.save(&path))
-            })
-            .await
-            .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")));
+            let r = tokio::task::spawn_blocking(move || replica.blocking_lock().save(&path))
+                .await
+                .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")));
             result = match r {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(e.into()),

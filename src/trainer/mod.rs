@@ -10,6 +10,7 @@
 //!   stage has had no usable replica for `stage_deadline`; it is then counted as failed with
 //!   its reason. Invariant: fed = completed + failed once the loop has stopped.
 
+pub mod report;
 pub mod routing;
 
 use crate::data::{DataError, Sampler, TokenSource};
@@ -52,7 +53,7 @@ impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
             index: 0,
-            concurrency: 2,
+            concurrency: 1,
             call_timeout: Duration::from_secs(20),
             ban: Duration::from_secs(5),
             stage_deadline: Duration::from_secs(30),
@@ -87,6 +88,8 @@ pub struct TrainerStats {
     pub losses: Mutex<Vec<(u64, f32)>>,
     /// The highest step a replica reported.
     pub step: AtomicU64,
+    /// Per stage: the highest step its replicas reported.
+    pub stage_steps: Vec<AtomicU64>,
     /// Calls repeated on another replica.
     pub swaps: AtomicU64,
 }
@@ -101,8 +104,18 @@ impl TrainerStats {
             stage_backward: (0..stages).map(|_| AtomicU64::new(0)).collect(),
             losses: Mutex::new(Vec::new()),
             step: AtomicU64::new(0),
+            stage_steps: (0..stages).map(|_| AtomicU64::new(0)).collect(),
             swaps: AtomicU64::new(0),
         }
+    }
+
+    /// The step of the slowest stage: the run is done when it reaches the last step.
+    pub fn min_stage_step(&self) -> u64 {
+        self.stage_steps
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .min()
+            .unwrap_or(0)
     }
 
     /// Mean loss of the last `n` completed microbatches.
@@ -257,7 +270,7 @@ async fn run(
     let mut counter: u64 = 0;
     let tag = derive_seed(ctx.cfg.index, &ctx.client.local_peer_id().to_string()) << 24;
     loop {
-        if *stop.borrow() || ctx.stats.step.load(Ordering::Relaxed) >= ctx.total_steps {
+        if *stop.borrow() || ctx.stats.min_stage_step() >= ctx.total_steps {
             break;
         }
         if ctx.cfg.max_microbatches.is_some_and(|m| counter >= m) {
@@ -306,11 +319,13 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
         let r = call_stage(ctx, s, None, n, |peer, step| {
             let c = ctx.client.clone();
             let input = input.clone();
-            async move { c.forward(peer, s, step, mb, &input).await }
+            async move { c.forward_step(peer, s, step, mb, &input).await }
         })
         .await;
         match r {
-            Ok((peer, out)) => {
+            Ok((peer, (out, step))) => {
+                ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
+                ctx.stats.step.fetch_max(step, Ordering::Relaxed);
                 used[s] = Some(peer);
                 inputs.push(out);
             }
@@ -331,6 +346,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
             Ok((_, reply)) => {
                 ctx.stats.stage_backward[s].fetch_add(n, Ordering::Relaxed);
                 ctx.stats.step.fetch_max(reply.step, Ordering::Relaxed);
+                ctx.stats.stage_steps[s].fetch_max(reply.step, Ordering::Relaxed);
                 if let Some(l) = reply.loss {
                     if let Ok(mut ls) = ctx.stats.losses.lock() {
                         ls.push((reply.step, l));
@@ -400,8 +416,7 @@ where
             continue;
         };
         last_usable = Instant::now();
-        let seen = ctx.client.counters().step.load(Ordering::Relaxed);
-        let step = ctx.stats.step.fetch_max(seen, Ordering::Relaxed).max(seen);
+        let step = ctx.stats.stage_steps[s].load(Ordering::Relaxed);
         let t0 = Instant::now();
         let mut r = call(peer, step).await;
         // A stream that closes without an answer is usually libp2p-stream dropping an
@@ -434,7 +449,7 @@ where
                 } = &e
                 {
                     // We were behind: catch up and ask again, the replica is fine.
-                    ctx.stats.step.fetch_max(*theirs, Ordering::Relaxed);
+                    ctx.stats.stage_steps[s].fetch_max(*theirs, Ordering::Relaxed);
                     if let Some((_, st)) = entry {
                         st.in_flight = st.in_flight.saturating_sub(1);
                     }

@@ -69,6 +69,9 @@ pub enum AvgMsg {
         attempt: u32,
         /// Peer ids, sorted.
         members: Vec<String>,
+        /// Samples each member freezes for the step (its oldest microbatches), aligned
+        /// with `members`; together the target batch.
+        quotas: Vec<u64>,
         /// Samples of replicas that died holding gradients of this step (lost).
         lost: u64,
     },
