@@ -162,8 +162,15 @@ fn histories_agree(peers: &[&Peer]) -> usize {
     compared
 }
 
-/// Per stage: Σ trainers' accepted backward samples == applied + pending + lost + dropped.
-fn check_accounting(peers: &[&Peer], trainers: &Peer, stages: usize) -> (u64, u64, u64) {
+/// Per stage: Σ trainers' accepted backward samples == applied + pending + lost + dropped,
+/// where `killed` is (stage, samples the killed replica held when it died): those are lost
+/// whether or not the survivors managed to record them.
+fn check_accounting(
+    peers: &[&Peer],
+    trainers: &Peer,
+    stages: usize,
+    killed: Option<(usize, u64)>,
+) -> (u64, u64, u64) {
     let mut fed = 0;
     let mut done = 0;
     let mut failed = 0;
@@ -185,7 +192,17 @@ fn check_accounting(peers: &[&Peer], trainers: &Peer, stages: usize) -> (u64, u6
             .map(|p| p.service().unwrap().status())
             .collect();
         let applied = reps.iter().map(|r| r.samples_applied).max().unwrap_or(0);
-        let lost = reps.iter().map(|r| r.samples_lost).max().unwrap_or(0);
+        let recorded = reps.iter().map(|r| r.samples_lost).max().unwrap_or(0);
+        let lost = match killed {
+            Some((s, held)) if s == stage => {
+                assert!(
+                    recorded <= held,
+                    "stage {stage}: recorded loss {recorded} > {held} held"
+                );
+                held
+            }
+            _ => recorded,
+        };
         let pending: u64 = reps.iter().map(|r| r.accum_count + r.frozen_count).sum();
         let dropped: u64 = reps.iter().map(|r| r.samples_dropped).sum();
         assert_eq!(
@@ -232,7 +249,7 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
     let refs: Vec<&Peer> = s.peers.iter().collect();
     settle(&refs).await;
     let swarm_loss = eval(&s).await;
-    let (fed, done, failed) = check_accounting(&refs, &t, 3);
+    let (fed, done, failed) = check_accounting(&refs, &t, 3, None);
     assert_eq!(fed, samples);
     assert_eq!(failed, 0);
     assert_eq!(done, samples);
@@ -283,7 +300,13 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
     }
     let pos = s.peers.iter().position(|p| p.stage() == Some(1)).unwrap();
     let victim = s.peers.remove(pos);
+    // What it holds when it dies is lost (the trainers' backward calls already returned).
+    let replica = victim.service().unwrap().replica();
+    let guard = replica.lock().await;
     victim.kill().await;
+    let held = guard.accum_count() + guard.frozen_count();
+    drop(guard);
+    drop(replica);
     // A fresh peer picks the weakest stage and downloads its state.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut jc = pc(
@@ -304,8 +327,10 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
     s.peers.push(joiner);
     let refs: Vec<&Peer> = s.peers.iter().collect();
     settle(&refs).await;
-    let (fed, done, failed) = check_accounting(&refs, &t, 3);
-    eprintln!("churn: fed {fed} completed {done} failed {failed}");
+    let (fed, done, failed) = check_accounting(&refs, &t, 3, Some((1, held)));
+    eprintln!(
+        "churn: replica killed holding {held} samples; fed {fed} completed {done} failed {failed}"
+    );
     for tr in t.trainers() {
         for (reason, n) in tr.stats().failures.lock().unwrap().iter() {
             eprintln!("  failed {n}: {reason}");

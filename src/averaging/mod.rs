@@ -422,18 +422,27 @@ impl State {
         {
             return;
         }
+        if ready.elapsed() > Duration::from_millis(100) {
+            self.debug(|| {
+                format!(
+                    "round {s} waited {:.0} ms (lagging {lagging})",
+                    ready.elapsed().as_secs_f64() * 1e3
+                )
+            });
+        }
         self.ready_since = None;
         // Samples held by replicas that died at this step are lost; count them once.
+        // (A replica that died holding gradients of an earlier step lost them too.)
         let dead: Vec<PeerId> = self
             .views
             .iter()
-            .filter(|(_, v)| v.at.elapsed() >= self.cfg.live_timeout && v.params_step == s)
+            .filter(|(_, v)| v.at.elapsed() >= self.cfg.live_timeout && v.params_step <= s)
             .map(|(p, _)| *p)
             .collect();
         let mut lost = 0;
         for p in dead {
             if let Some(v) = self.views.remove(&p) {
-                lost += if v.accum_step == s { v.count } else { 0 } + v.frozen;
+                lost += v.count + v.frozen;
             }
             self.known.retain(|k| *k != p);
         }
@@ -753,6 +762,12 @@ impl State {
         self.parts.retain(|(s, _), _| *s > step);
         self.reduced.retain(|(s, _), _| *s > step);
         if matches!(applied, Ok(Ok(()))) {
+            self.debug(|| {
+                format!(
+                    "applied {step} in {:.1} ms, {total} samples",
+                    started.elapsed().as_secs_f64() * 1e3
+                )
+            });
             self.stats.rounds.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .round_us

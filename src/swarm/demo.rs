@@ -87,7 +87,12 @@ impl Proc {
             .env("RAYON_NUM_THREADS", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(match std::env::var_os("SHOAL_DEMO_LOGS") {
+                Some(d) => std::fs::File::create(Path::new(&d).join(format!("{name}.err")))
+                    .map(Stdio::from)
+                    .unwrap_or_else(|_| Stdio::null()),
+                None => Stdio::null(),
+            })
             .spawn()
             .map_err(|e| DemoError::Process(format!("cannot start {}: {e}", exe.display())))?;
         let (tx, rx) = mpsc::channel();
