@@ -586,9 +586,15 @@ async fn a_full_queue_answers_overloaded() {
         .iter()
         .filter(|r| matches!(r, Err(e) if e.kind() == Some(ErrorKind::Overloaded)))
         .count();
+    // libp2p-stream drops inbound streams that arrive faster than they are accepted (its
+    // channel holds one), so under this burst a few calls may see a closed stream instead.
+    let dropped = results
+        .iter()
+        .filter(|r| matches!(r, Err(CallError::Io(_))))
+        .count();
     assert!(ok >= 1, "nothing was served");
     assert!(overloaded >= 1, "no request was refused as overloaded");
-    assert_eq!(ok + overloaded, 12, "{results:?}");
+    assert_eq!(ok + overloaded + dropped, 12, "{results:?}");
     p.stop().await.unwrap();
 }
 

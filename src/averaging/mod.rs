@@ -11,9 +11,12 @@
 //! 2. The leader, the live replica with the smallest peer id among those at its step, sees
 //!    when the samples accumulated for the step reach `target_batch_size` and sends
 //!    `Members` (the sorted member list, and samples lost with replicas that died).
-//! 3. Each member freezes its sum for the step (later backward passes count toward the next
-//!    step: a gradient is at most one step stale), cuts it into one part per member and
-//!    sends part i to member i (`Part`, in the run's gradient codec).
+//! 3. Each member freezes its oldest microbatches up to its quota (the leader splits the
+//!    target batch fairly over the members' pending samples), cuts their sum into one part
+//!    per member and sends part i to member i (`Part`, in the run's gradient codec). Later
+//!    backward passes, and microbatches beyond the quota, count toward the next step, so a
+//!    gradient is usually one step stale; when twice the target is waiting the round takes
+//!    everything to catch up, and a gradient can then be two or more steps stale.
 //! 4. Member i sums the parts and divides by the total sample count, encodes the result in
 //!    the gradient codec, decodes it again — what every member will apply, itself included
 //!    — and sends it to all (`Reduced`).

@@ -22,6 +22,26 @@ pub enum Upstream<'a> {
     Targets(&'a Tensor),
 }
 
+/// A forward pass kept with its graph for a later backward.
+#[derive(Debug)]
+pub struct Kept {
+    input: Tensor,
+    input_var: Option<Var>,
+    out: Tensor,
+}
+
+impl Kept {
+    /// The forward's output (still attached to the graph; detach before sending).
+    pub fn output(&self) -> &Tensor {
+        &self.out
+    }
+
+    /// The shape of the input it was computed from.
+    pub fn input_dims(&self) -> &[usize] {
+        self.input.dims()
+    }
+}
+
 /// The result of a stage's backward.
 #[derive(Debug, Clone)]
 pub struct StageGrads {
@@ -268,12 +288,9 @@ impl Stage {
         )?)
     }
 
-    /// Recomputes the forward from `input` and back-propagates `upstream` through it.
-    pub fn backward(
-        &self,
-        input: &Tensor,
-        upstream: Upstream<'_>,
-    ) -> Result<StageGrads, ModelError> {
+    /// A forward that keeps its autograd graph, so a later [`Stage::backward_kept`] needs
+    /// no recomputation and sees exactly the activations this forward produced.
+    pub fn forward_kept(&self, input: &Tensor) -> Result<Kept, ModelError> {
         self.check_input(input)?;
         let input_var = if self.is_first() {
             None
@@ -282,6 +299,44 @@ impl Stage {
         };
         let x = input_var.as_ref().map_or(input, |v| v.as_tensor());
         let out = self.run(x)?;
+        Ok(Kept {
+            input: input.clone(),
+            input_var,
+            out,
+        })
+    }
+
+    /// Back-propagates `upstream` through a kept forward.
+    pub fn backward_kept(
+        &self,
+        kept: Kept,
+        upstream: Upstream<'_>,
+    ) -> Result<StageGrads, ModelError> {
+        let Kept {
+            input,
+            input_var,
+            out,
+        } = kept;
+        self.backward_from(&input, input_var, out, upstream)
+    }
+
+    /// Recomputes the forward from `input` and back-propagates `upstream` through it.
+    pub fn backward(
+        &self,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+    ) -> Result<StageGrads, ModelError> {
+        let kept = self.forward_kept(input)?;
+        self.backward_kept(kept, upstream)
+    }
+
+    fn backward_from(
+        &self,
+        input: &Tensor,
+        input_var: Option<Var>,
+        out: Tensor,
+        upstream: Upstream<'_>,
+    ) -> Result<StageGrads, ModelError> {
         let (objective, loss) = match upstream {
             Upstream::Targets(targets) => {
                 self.check_targets(input, targets)?;

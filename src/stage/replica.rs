@@ -9,10 +9,14 @@
 //! they accumulate toward `params_step + 1` (a gradient is at most one step stale).
 
 use crate::config::RunConfig;
+use crate::model::stage::Kept;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use candle_core::Tensor;
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
+
+/// Forward graphs kept for their backward.
+const KEPT_CAP: usize = 32;
 
 /// Microbatch ids remembered for at-most-once accumulation.
 const SEEN_CAP: usize = 1 << 16;
@@ -49,6 +53,8 @@ pub struct Replica {
     opt: AdamW,
     params_step: u64,
     accum: Arc<Mutex<Accum>>,
+    kept: std::collections::HashMap<u64, Kept>,
+    kept_order: VecDeque<u64>,
     numel: usize,
     samples_applied: u64,
     samples_lost: u64,
@@ -117,6 +123,8 @@ impl Replica {
             opt,
             params_step: 0,
             accum: Arc::new(Mutex::new(Accum::default())),
+            kept: std::collections::HashMap::new(),
+            kept_order: VecDeque::new(),
             numel,
             samples_applied: 0,
             samples_lost: 0,
@@ -185,15 +193,43 @@ impl Replica {
         &self.params_hash
     }
 
-    /// Backward of microbatch `mb` (`samples` sequences); accumulates its parameter
-    /// gradients unless this replica already accumulated `mb`.
+    /// Forward of microbatch `mb`; the graph is kept (a few dozen microbatches at most) so
+    /// that its backward here needs no recomputation and matches the activations sent on.
+    /// `mb` 0 (evaluation) keeps nothing.
+    pub fn forward(&mut self, input: &Tensor, mb: u64) -> Result<Tensor, ModelError> {
+        if mb == 0 {
+            return self.stage.forward(input);
+        }
+        let kept = self.stage.forward_kept(input)?;
+        let out = kept.output().detach();
+        if self.kept.insert(mb, kept).is_none() {
+            self.kept_order.push_back(mb);
+        }
+        while self.kept_order.len() > KEPT_CAP {
+            if let Some(old) = self.kept_order.pop_front() {
+                self.kept.remove(&old);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Backward of microbatch `mb` (`samples` sequences), through its kept forward when
+    /// this replica ran it, else recomputing; accumulates the parameter gradients unless
+    /// this replica already accumulated `mb`.
     pub fn backward(
         &mut self,
         input: &Tensor,
         upstream: Upstream<'_>,
         mb: u64,
     ) -> Result<(StageGrads, bool), ModelError> {
-        let g = self.stage.backward(input, upstream)?;
+        let kept = self
+            .kept
+            .remove(&mb)
+            .filter(|k| k.input_dims() == input.dims());
+        let g = match kept {
+            Some(k) => self.stage.backward_kept(k, upstream)?,
+            None => self.stage.backward(input, upstream)?,
+        };
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let fresh = self.acc().admit(mb);
         if !fresh {

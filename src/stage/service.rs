@@ -675,7 +675,7 @@ impl Worker {
         let input = self.input(&r, &frames[0], "input")?;
         match req.op {
             Op::Forward => {
-                let out = r.stage().forward(&input)?;
+                let out = r.forward(&input, req.mb)?;
                 drop(r);
                 let frame = self.encode(&out)?;
                 Ok(Reply {
