@@ -217,6 +217,15 @@ fn network_commands_refuse_bad_input_in_one_line() {
         "not a shoal identity key",
     );
     one_line_error(&shoal(d, &["status"]), "--bootstrap");
+    one_line_error(&shoal(d, &["train"]), "pass --run ID --bootstrap MULTIADDR");
+    one_line_error(
+        &shoal(d, &["train", "--run", "run.toml"]),
+        "--bootstrap MULTIADDR is required",
+    );
+    one_line_error(
+        &shoal(d, &["demo", "--swarm", "--replicas", "1"]),
+        "churn needs at least 2 replicas",
+    );
     one_line_error(
         &shoal(
             d,
