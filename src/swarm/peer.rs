@@ -228,7 +228,27 @@ impl Peer {
                 )))
             }
             StageChoice::Auto => {
-                let anns: Vec<Announcement> = per_stage.iter().flatten().cloned().collect();
+                // Only replicas that answer count: a dead one's announcement lives until
+                // it expires.
+                let client = StageClient::new(
+                    net.clone(),
+                    manifest.id.clone(),
+                    manifest.config.codecs.activations,
+                )
+                .with_timeout(Duration::from_secs(2));
+                let checks = futures::future::join_all(per_stage.iter().flatten().map(|a| {
+                    let client = client.clone();
+                    let a = a.clone();
+                    async move {
+                        let peer: PeerId = a.peer.parse().ok()?;
+                        let addrs: Vec<Multiaddr> =
+                            a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+                        client.net().add_addresses(peer, addrs).await.ok()?;
+                        client.info(peer, a.stage as usize).await.ok().map(|_| a)
+                    }
+                }))
+                .await;
+                let anns: Vec<Announcement> = checks.into_iter().flatten().collect();
                 Some(select::weakest(&select::loads(count, &anns)).unwrap_or(0))
             }
             StageChoice::None => None,

@@ -202,9 +202,28 @@ impl Trainer {
     }
 
     /// Stops starting microbatches and waits for those in flight.
+    /// Microbatches still waiting after `grace` (a stage with no replica, say) are
+    /// abandoned and counted as failed with the reason "stopped".
     pub async fn stop(self) -> Arc<TrainerStats> {
+        self.stop_within(Duration::from_secs(10)).await
+    }
+
+    /// [`Trainer::stop`] with a chosen grace period.
+    pub async fn stop_within(self, grace: Duration) -> Arc<TrainerStats> {
         let _ = self.stop.send(true);
-        let _ = self.task.await;
+        let mut task = self.task;
+        if tokio::time::timeout(grace, &mut task).await.is_err() {
+            task.abort();
+            let s = &self.stats;
+            let open = s
+                .fed
+                .load(Ordering::Relaxed)
+                .saturating_sub(s.completed.load(Ordering::Relaxed) + s.failed.load(Ordering::Relaxed));
+            s.failed.fetch_add(open, Ordering::Relaxed);
+            if let Ok(mut f) = s.failures.lock() {
+                *f.entry("stopped before the microbatch finished".into()).or_default() += open;
+            }
+        }
         self.stats
     }
 
