@@ -30,8 +30,9 @@ struct Cli {
 enum Command {
     /// Train a run. `--local` trains every stage in this process.
     Train(TrainArgs),
-    /// Train the built-in tiny model on the built-in corpus and check it learned; `--swarm`
-    /// does it with a swarm of processes on this machine.
+    /// A swarm on this machine (bootstrap, replicas per stage, trainers, a replica killed
+    /// midway) trains the built-in tiny model; exits 0 if it reached the target loss.
+    /// `--local` trains every stage in one process instead.
     Demo(DemoArgs),
     /// Run manifests: `run new CONFIG` prints the run id.
     Run {
@@ -77,11 +78,9 @@ struct TrainArgs {
 
 #[derive(Args)]
 struct DemoArgs {
-    /// Run the swarm demo: a bootstrap peer, replicas per stage and trainer processes on
-    /// 127.0.0.1, with a replica killed and replaced midway. It does not yet reach the
-    /// target loss in its time budget, so the default demo still trains in one process.
+    /// Train every stage in this one process instead of a swarm of processes.
     #[arg(long)]
-    swarm: bool,
+    local: bool,
     /// Replicas per stage (swarm demo).
     #[arg(long, default_value_t = 2, value_name = "N")]
     replicas: usize,
@@ -284,7 +283,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             train(&cfg, &opts)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Demo(a) if a.swarm => net_cmds::demo(
+        Command::Demo(a) if !a.local => net_cmds::demo(
             a.common.stages.unwrap_or(3),
             a.replicas,
             a.trainers,

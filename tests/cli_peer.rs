@@ -223,7 +223,7 @@ fn network_commands_refuse_bad_input_in_one_line() {
         "--bootstrap MULTIADDR is required",
     );
     one_line_error(
-        &shoal(d, &["demo", "--swarm", "--replicas", "1"]),
+        &shoal(d, &["demo", "--replicas", "1"]),
         "churn needs at least 2 replicas",
     );
     one_line_error(

@@ -263,11 +263,9 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
         local.eval_loss
     );
     assert!(compared >= 3 * 10, "too few steps compared: {compared}");
-    // The bar is 5%; one-step-stale gradients cost about 8-10% this early in
-    // training (see the closing note), so this asserts the looser bound actually met.
     let rel = (swarm_loss - local.eval_loss) / local.eval_loss;
     assert!(
-        rel < 0.15,
+        rel < 0.05,
         "swarm eval loss {swarm_loss:.4} is {:.1}% above the local {:.4}",
         100.0 * rel,
         local.eval_loss
@@ -375,9 +373,12 @@ async fn experiment() {
     tc.net.listen.clear();
     tc.trainers = tn;
     tc.trainer.concurrency = c;
+    tc.trainer.sync_steps = std::env::var_os("SWARM_ASYNC").is_none();
     tc.trainer.max_microbatches = Some(steps * 2 / tn as u64);
     let t = start(tc).await;
+    let t0 = Instant::now();
     wait_trainers(&t, Duration::from_secs(240)).await;
+    eprintln!("trained in {:.1} s", t0.elapsed().as_secs_f64());
     let refs: Vec<&Peer> = s.peers.iter().collect();
     settle(&refs).await;
     let steps: Vec<u64> = refs

@@ -47,6 +47,9 @@ pub struct TrainerConfig {
     pub refresh: Duration,
     /// Stop after this many microbatches (default: when the run reaches its last step).
     pub max_microbatches: Option<u64>,
+    /// After each microbatch, wait until stage 0 has applied the step it went into before
+    /// starting the next: less stale gradients, less overlap.
+    pub sync_steps: bool,
 }
 
 impl Default for TrainerConfig {
@@ -59,6 +62,7 @@ impl Default for TrainerConfig {
             stage_deadline: Duration::from_secs(30),
             refresh: Duration::from_secs(1),
             max_microbatches: None,
+            sync_steps: true,
         }
     }
 }
@@ -215,13 +219,13 @@ impl Trainer {
         if tokio::time::timeout(grace, &mut task).await.is_err() {
             task.abort();
             let s = &self.stats;
-            let open = s
-                .fed
-                .load(Ordering::Relaxed)
-                .saturating_sub(s.completed.load(Ordering::Relaxed) + s.failed.load(Ordering::Relaxed));
+            let open = s.fed.load(Ordering::Relaxed).saturating_sub(
+                s.completed.load(Ordering::Relaxed) + s.failed.load(Ordering::Relaxed),
+            );
             s.failed.fetch_add(open, Ordering::Relaxed);
             if let Ok(mut f) = s.failures.lock() {
-                *f.entry("stopped before the microbatch finished".into()).or_default() += open;
+                *f.entry("stopped before the microbatch finished".into())
+                    .or_default() += open;
             }
         }
         self.stats
@@ -352,6 +356,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
         }
     }
     let mut upstream = y;
+    let mut stage0: Option<(PeerId, u64)> = None;
     for s in (0..=last).rev() {
         let input = inputs[s].clone();
         let up = upstream.clone();
@@ -362,7 +367,10 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
         })
         .await;
         match r {
-            Ok((_, reply)) => {
+            Ok((peer, reply)) => {
+                if s == 0 {
+                    stage0 = Some((peer, reply.step));
+                }
                 ctx.stats.stage_backward[s].fetch_add(n, Ordering::Relaxed);
                 ctx.stats.step.fetch_max(reply.step, Ordering::Relaxed);
                 ctx.stats.stage_steps[s].fetch_max(reply.step, Ordering::Relaxed);
@@ -383,6 +391,22 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
         }
     }
     ctx.stats.completed.fetch_add(n, Ordering::Relaxed);
+    if let (true, Some((peer, step))) = (ctx.cfg.sync_steps, stage0) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match ctx.client.info(peer, 0).await {
+                Ok(h) => {
+                    ctx.stats.stage_steps[0].fetch_max(h.step, Ordering::Relaxed);
+                    // Done, or the last step of the run will never come: stop waiting.
+                    if h.step > step || ctx.stats.min_stage_step() >= ctx.total_steps {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(_) => break,
+            }
+        }
+    }
 }
 
 /// Runs `call` on a replica of stage `s` (the preferred one when usable), swapping to
