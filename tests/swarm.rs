@@ -412,3 +412,52 @@ async fn experiment() {
         eprintln!("local eval {:.4}", local.eval_loss);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_joiners_spread_their_downloads_over_the_donors() {
+    let _g = SERIAL.lock().await;
+    let cfg = run_config(20);
+    let dir = tempfile::tempdir().unwrap();
+    let (m, path) = manifest_file(&dir, &cfg);
+    let boot = start(pc(RunSource::File(path), vec![], StageChoice::None)).await;
+    let addr = boot.addrs()[0].clone();
+    let mut donors = Vec::new();
+    for _ in 0..2 {
+        donors.push(
+            start(pc(
+                RunSource::Id(m.id.clone()),
+                vec![addr.clone()],
+                StageChoice::Index(0),
+            ))
+            .await,
+        );
+    }
+    // Three joiners of stage 0 at once.
+    let joiners = futures::future::join_all((0..3).map(|_| {
+        start(pc(
+            RunSource::Id(m.id.clone()),
+            vec![addr.clone()],
+            StageChoice::Index(0),
+        ))
+    }))
+    .await;
+    let want = donors[0].service().unwrap().params_hash();
+    let mut per_donor: std::collections::HashMap<String, usize> = Default::default();
+    for j in &joiners {
+        let r = j
+            .synced()
+            .expect("every joiner downloads the stage's state");
+        assert_eq!(r.donors.len(), 2, "both donors are used");
+        for (d, n) in r.donors.iter().zip(&r.chunks_per_donor) {
+            *per_donor.entry(d.to_string()).or_default() += n;
+        }
+        assert_eq!(j.service().unwrap().params_hash(), want);
+    }
+    eprintln!("chunks per donor over three joiners: {per_donor:?}");
+    assert_eq!(per_donor.len(), 2);
+    assert!(per_donor.values().all(|&n| n >= 2), "{per_donor:?}");
+    for p in joiners.into_iter().chain(donors) {
+        p.stop().await.unwrap();
+    }
+    boot.stop().await.unwrap();
+}
