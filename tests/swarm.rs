@@ -450,15 +450,29 @@ async fn concurrent_joiners_spread_their_downloads_over_the_donors() {
         let r = j
             .synced()
             .expect("every joiner downloads the stage's state");
-        assert_eq!(r.donors.len(), 2, "both donors are used");
+        // A joiner that announced early may serve as a donor to the later ones too.
+        assert!(
+            r.donors.len() >= 2,
+            "a joiner used {} donor(s)",
+            r.donors.len()
+        );
+
         for (d, n) in r.donors.iter().zip(&r.chunks_per_donor) {
             *per_donor.entry(d.to_string()).or_default() += n;
         }
         assert_eq!(j.service().unwrap().params_hash(), want);
     }
     eprintln!("chunks per donor over three joiners: {per_donor:?}");
-    assert_eq!(per_donor.len(), 2);
-    assert!(per_donor.values().all(|&n| n >= 2), "{per_donor:?}");
+    // Chunks are assigned round-robin from a random offset; a chunk that fails (a stream
+    // dropped under this burst) is fetched from another donor, so shares can be uneven,
+    // but both original donors must have served.
+    for d in &donors {
+        let id = d.net().local_peer_id().to_string();
+        assert!(
+            per_donor.get(&id).copied().unwrap_or(0) >= 1,
+            "{id} served nothing: {per_donor:?}"
+        );
+    }
     for p in joiners.into_iter().chain(donors) {
         p.stop().await.unwrap();
     }

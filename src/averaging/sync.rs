@@ -111,7 +111,9 @@ pub async fn download(
                 let mut last: Option<CallError> = None;
                 let mut done = None;
                 'tries: for round in 0..2 {
-                    for j in 0..d {
+                    // The assigned donor twice (a dropped stream is usually transient),
+                    // then the others.
+                    for j in std::iter::once(0).chain(0..d) {
                         let who = (k + j) % d;
                         match client
                             .state_chunk(donors[who], stage, info.step, i as u32)

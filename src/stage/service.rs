@@ -128,7 +128,8 @@ struct Shared {
     stage: u32,
     queue: AtomicU32,
     cfg: ServiceConfig,
-    jobs: mpsc::Sender<Job>,
+    /// Taken when the service is dropped, so the compute thread sees the queue close.
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
     readers: Arc<Semaphore>,
     info: Mutex<Option<String>>,
     counters: Counters,
@@ -167,6 +168,8 @@ pub struct StageService {
 impl Drop for StageService {
     fn drop(&mut self) {
         self.accept.abort();
+        // Without the sender the compute thread finishes the queued jobs and exits.
+        lock(&self.shared.jobs).take();
     }
 }
 
@@ -211,7 +214,7 @@ impl StageService {
             queue: AtomicU32::new(0),
             readers: Arc::new(Semaphore::new(cfg.max_readers.max(1))),
             cfg,
-            jobs: tx,
+            jobs: Mutex::new(Some(tx)),
             info: Mutex::new(None),
             counters: Counters::default(),
             replica,
@@ -416,9 +419,11 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
 
 async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {
     let (tx, rx) = oneshot::channel();
+    let Some(jobs) = lock(&shared.jobs).clone() else {
+        return refusal(shared, ErrorKind::Overloaded, "this replica is stopping");
+    };
     shared.queue.fetch_add(1, Ordering::Relaxed);
-    if shared
-        .jobs
+    if jobs
         .try_send(Job {
             req,
             frames,
