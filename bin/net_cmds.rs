@@ -178,6 +178,22 @@ fn net_config(
     Ok(cfg)
 }
 
+fn require_bootstrap(a: &NetArgs) -> Result<()> {
+    if a.bootstrap.is_empty() {
+        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
+    }
+    Ok(())
+}
+
+/// A throwaway identity that only queries the swarm (not a DHT server, no listener), and
+/// the bootstrap addresses to join through.
+fn client_config(a: &NetArgs) -> Result<(NetConfig, Vec<libp2p::Multiaddr>)> {
+    let bootstrap = parse_addrs(&a.bootstrap)?;
+    let mut cfg = net_config(a, libp2p::identity::Keypair::generate_ed25519(), Vec::new())?;
+    cfg.dht_server = false;
+    Ok((cfg, bootstrap))
+}
+
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
@@ -290,9 +306,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     let Some(run) = a.run.clone() else {
         bail!("pass --run ID --bootstrap MULTIADDR to train through a swarm, or --local --config FILE");
     };
-    if a.net.bootstrap.is_empty() {
-        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
-    }
+    require_bootstrap(&a.net)?;
     if a.trainers == 0 || a.concurrency == 0 {
         bail!("--trainers and --concurrency must be at least 1");
     }
@@ -300,13 +314,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     if let RunSource::File(p) = &source {
         Manifest::load(p)?;
     }
-    let bootstrap = parse_addrs(&a.net.bootstrap)?;
-    let mut netcfg = net_config(
-        &a.net,
-        libp2p::identity::Keypair::generate_ed25519(),
-        Vec::new(),
-    )?;
-    netcfg.dht_server = false;
+    let (netcfg, bootstrap) = client_config(&a.net)?;
     let mut cfg = PeerConfig::new(source, netcfg, bootstrap, StageChoice::None);
     cfg.trainers = a.trainers;
     cfg.trainer.concurrency = a.concurrency;
@@ -351,21 +359,13 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
 }
 
 pub fn status(a: StatusArgs) -> Result<ExitCode> {
-    if a.net.bootstrap.is_empty() {
-        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
-    }
+    require_bootstrap(&a.net)?;
     if let Some(r) = &a.run {
         if !shoal::dht::is_run_id(r) {
             bail!("--run {r:?} is not a run id (32 hex digits, printed by `shoal run new`)");
         }
     }
-    let bootstrap = parse_addrs(&a.net.bootstrap)?;
-    let mut cfg = net_config(
-        &a.net,
-        libp2p::identity::Keypair::generate_ed25519(),
-        Vec::new(),
-    )?;
-    cfg.dht_server = false;
+    let (cfg, bootstrap) = client_config(&a.net)?;
     let rt = runtime()?;
     let runs = rt.block_on(async move {
         let handle = net::start(cfg)?;
@@ -383,21 +383,13 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
 }
 
 pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
-    if a.net.bootstrap.is_empty() {
-        bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
-    }
+    require_bootstrap(&a.net)?;
     let source = RunSource::parse(&a.run);
     let from_file = match &source {
         RunSource::File(p) => Some(Manifest::load(p)?),
         RunSource::Id(_) => None,
     };
-    let bootstrap = parse_addrs(&a.net.bootstrap)?;
-    let mut cfg = net_config(
-        &a.net,
-        libp2p::identity::Keypair::generate_ed25519(),
-        Vec::new(),
-    )?;
-    cfg.dht_server = false;
+    let (cfg, bootstrap) = client_config(&a.net)?;
     let rt = runtime()?;
     let (m, report) = rt.block_on(async move {
         let handle = net::start(cfg)?;

@@ -16,12 +16,14 @@
 //! - [`swarm`]: the peer process (`shoal peer`): stage, averager and trainers together.
 //! - [`train`]: local training of all stages in one process, through the wire codec.
 //! - [`bench`]: benchmarks that print tables (`shoal bench ...`).
+//! - [`files`]: atomic file writes (checkpoints, manifests, keys).
 //! - [`rng`]: the seeded generator every peer computes identically.
 pub mod averaging;
 pub mod bench;
 pub mod config;
 pub mod data;
 pub mod dht;
+pub mod files;
 pub mod model;
 pub mod net;
 pub mod rng;

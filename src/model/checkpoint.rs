@@ -12,7 +12,6 @@ use candle_core::{DType, Tensor};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::Path;
 
 const FORMAT: &str = "shoal-stage-v1";
@@ -62,33 +61,7 @@ fn raw(t: &Tensor) -> Result<Raw, ModelError> {
     })
 }
 
-/// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        // Persist the rename itself; not every platform can open a folder, so best effort.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
+pub use crate::files::write_atomic;
 
 /// Saves the stage's parameters and the optimizer's state to `path`.
 pub fn save(stage: &Stage, opt: &AdamW, path: &Path) -> Result<(), ModelError> {

@@ -6,37 +6,11 @@
 use super::NetError;
 use libp2p::identity::Keypair;
 use libp2p::pnet::PreSharedKey;
-use std::io::Write;
 use std::path::Path;
 
 /// Writes a secret atomically with mode 0600.
 fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut opts = std::fs::OpenOptions::new();
-        opts.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            opts.mode(0o600);
-        }
-        let mut f = opts.open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    crate::files::write_atomic_mode(path, bytes, Some(0o600))
 }
 
 /// Loads the identity at `path`, creating a fresh ed25519 key there if the file is missing.

@@ -74,10 +74,10 @@ fn pick(anns: &[Announcement]) -> Option<&Announcement> {
         .max_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s))
 }
 
-/// Runs one microbatch through the swarm.
-pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeReport, ProbeError> {
-    let cfg = &m.config;
-    let count = cfg.stages.count;
+/// One replica per stage (the highest announced throughput), with its addresses handed
+/// to the network so it can be dialled.
+async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<PeerId>, ProbeError> {
+    let count = m.config.stages.count;
     let per_stage = registry::read_run(net, &m.id, count)
         .await
         .map_err(RegistryError::from)?;
@@ -94,6 +94,14 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
             .map_err(RegistryError::from)?;
         peers.push(peer);
     }
+    Ok(peers)
+}
+
+/// Runs one microbatch through the swarm.
+pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeReport, ProbeError> {
+    let cfg = &m.config;
+    let count = cfg.stages.count;
+    let peers = route(net, m).await?;
     let source = TokenSource::open(cfg)?;
     let b = Sampler::new(cfg.training.data_seed, u64::MAX).next_batch(
         &source,
@@ -174,23 +182,7 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
 /// logits. Uses the highest-throughput replica of each stage.
 pub async fn evaluate(net: &NetHandle, m: &Manifest, batches: usize) -> Result<f64, ProbeError> {
     let cfg = &m.config;
-    let count = cfg.stages.count;
-    let per_stage = registry::read_run(net, &m.id, count)
-        .await
-        .map_err(RegistryError::from)?;
-    let mut peers = Vec::with_capacity(count);
-    for (s, anns) in per_stage.iter().enumerate() {
-        let a = pick(anns).ok_or(ProbeError::NoReplica(s))?;
-        let peer: PeerId = a
-            .peer
-            .parse()
-            .map_err(|e| ProbeError::Announcement(format!("{e}")))?;
-        let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
-        net.add_addresses(peer, addrs)
-            .await
-            .map_err(RegistryError::from)?;
-        peers.push(peer);
-    }
+    let peers = route(net, m).await?;
     let source = TokenSource::open(cfg)?;
     let mut sampler = Sampler::eval(cfg.training.data_seed);
     let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);

@@ -298,30 +298,49 @@ pub fn check_header_len(len: u32) -> Result<usize, MsgError> {
     Ok(len as usize)
 }
 
-/// Parses a request header (without its length prefix).
-pub fn decode_request(bytes: &[u8]) -> Result<Request, MsgError> {
-    let r: Request =
-        serde_json::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
-    if r.v != MSG_VERSION {
-        return Err(MsgError::Version(r.v));
+/// The fields every header has, checked the same way for requests and responses.
+trait Checked {
+    fn version(&self) -> u8;
+    fn tensor_count(&self) -> u8;
+}
+
+impl Checked for Request {
+    fn version(&self) -> u8 {
+        self.v
     }
-    if r.tensors > MAX_TENSORS {
-        return Err(MsgError::TooManyTensors(r.tensors));
+    fn tensor_count(&self) -> u8 {
+        self.tensors
+    }
+}
+
+impl Checked for Response {
+    fn version(&self) -> u8 {
+        self.v
+    }
+    fn tensor_count(&self) -> u8 {
+        self.tensors
+    }
+}
+
+fn decode_checked<T: Checked + serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, MsgError> {
+    let r: T = serde_json::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    if r.version() != MSG_VERSION {
+        return Err(MsgError::Version(r.version()));
+    }
+    if r.tensor_count() > MAX_TENSORS {
+        return Err(MsgError::TooManyTensors(r.tensor_count()));
     }
     Ok(r)
 }
 
+/// Parses a request header (without its length prefix).
+pub fn decode_request(bytes: &[u8]) -> Result<Request, MsgError> {
+    decode_checked(bytes)
+}
+
 /// Parses a response header (without its length prefix).
 pub fn decode_response(bytes: &[u8]) -> Result<Response, MsgError> {
-    let r: Response =
-        serde_json::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
-    if r.v != MSG_VERSION {
-        return Err(MsgError::Version(r.v));
-    }
-    if r.tensors > MAX_TENSORS {
-        return Err(MsgError::TooManyTensors(r.tensors));
-    }
-    Ok(r)
+    decode_checked(bytes)
 }
 
 #[cfg(test)]
