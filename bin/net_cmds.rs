@@ -81,6 +81,13 @@ pub struct PeerArgs {
     /// Write the stage's checkpoint (safetensors) here on Ctrl-C / SIGTERM.
     #[arg(long, value_name = "FILE")]
     checkpoint: Option<PathBuf>,
+    /// Samples/s to announce: `auto` measures the stage at start-up, a number declares it.
+    #[arg(long, default_value = "auto", value_name = "auto|N")]
+    throughput: String,
+    /// Mean seconds between checks whether moving to the weakest stage would balance the
+    /// swarm (randomised ±50%); 0 never moves.
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    rebalance_every: u64,
 }
 
 #[derive(Args)]
@@ -262,10 +269,18 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     };
     cfg.trainers = a.trainers;
     cfg.checkpoint = a.checkpoint.clone();
+    cfg.throughput = match a.throughput.as_str() {
+        "auto" => None,
+        t => match t.parse::<f64>() {
+            Ok(x) if x.is_finite() && x > 0.0 => Some(x),
+            _ => bail!("--throughput must be `auto` or a positive number of samples/s, not {t:?}"),
+        },
+    };
+    cfg.rebalance = (a.rebalance_every > 0).then(|| Duration::from_secs(a.rebalance_every));
     let rt = runtime()?;
     rt.block_on(async move {
         let log = |line: String| println!("{line}");
-        let peer = Peer::start(cfg, &log).await?;
+        let peer = Peer::start(cfg, log).await?;
         println!("peer {} ready; Ctrl-C to stop", peer.net().local_peer_id());
         if peer.trainers().is_empty() {
             shutdown_signal().await;
@@ -322,7 +337,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     let rt = runtime()?;
     rt.block_on(async move {
         let log = |line: String| println!("{line}");
-        let peer = Peer::start(cfg, &log).await?;
+        let peer = Peer::start(cfg, log).await?;
         let stats: Vec<_> = peer
             .trainers()
             .iter()

@@ -36,7 +36,7 @@ fn peer_config(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) ->
 }
 
 async fn start(cfg: PeerConfig) -> Result<Peer, PeerError> {
-    Peer::start(cfg, &|_line: String| {}).await
+    Peer::start(cfg, |_line: String| {}).await
 }
 
 /// A DHT client (not serving) joined through `boot`.

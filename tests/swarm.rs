@@ -46,7 +46,7 @@ fn pc(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> PeerConf
 }
 
 async fn start(cfg: PeerConfig) -> Peer {
-    Peer::start(cfg, &|_l: String| {}).await.unwrap()
+    Peer::start(cfg, |_l: String| {}).await.unwrap()
 }
 
 struct Swarm {
@@ -74,9 +74,13 @@ async fn swarm(dir: &tempfile::TempDir, cfg: &RunConfig, replicas: usize) -> Swa
 }
 
 async fn trainers(s: &Swarm, n: usize, microbatches: u64) -> Peer {
+    trainers_for(&s.m, &s.addr, n, microbatches).await
+}
+
+async fn trainers_for(m: &Manifest, addr: &Multiaddr, n: usize, microbatches: u64) -> Peer {
     let mut tc = pc(
-        RunSource::Id(s.m.id.clone()),
-        vec![s.addr.clone()],
+        RunSource::Id(m.id.clone()),
+        vec![addr.clone()],
         StageChoice::None,
     );
     tc.net.listen.clear();
@@ -393,7 +397,7 @@ async fn experiment() {
         eval(&s).await
     );
     for p in &refs {
-        let a = p.averager().unwrap().stats();
+        let a = p.avg_stats().unwrap();
         let n = a.rounds.load(Relaxed).max(1);
         eprintln!(
             "  stage {:?}: {} rounds, {:.1} ms each",
@@ -474,6 +478,77 @@ async fn concurrent_joiners_spread_their_downloads_over_the_donors() {
         );
     }
     for p in joiners.into_iter().chain(donors) {
+        p.stop().await.unwrap();
+    }
+    boot.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rebalancing_spreads_a_piled_up_stage_without_flapping() {
+    let _g = SERIAL.lock().await;
+    let cfg = run_config(1000);
+    let dir = tempfile::tempdir().unwrap();
+    let (m, path) = manifest_file(&dir, &cfg);
+    let boot = start(pc(RunSource::File(path), vec![], StageChoice::None)).await;
+    let addr = boot.addrs()[0].clone();
+    let period = Duration::from_millis(1500);
+    let mut peers = Vec::new();
+    // Four peers on stage 0, one on each other stage; all announce the same throughput so
+    // the balanced end state is known: two replicas per stage.
+    for stage in [0, 0, 0, 0, 1, 2] {
+        let mut c = pc(
+            RunSource::Id(m.id.clone()),
+            vec![addr.clone()],
+            StageChoice::Index(stage),
+        );
+        c.throughput = Some(100.0);
+        c.rebalance = Some(period);
+        c.drain_timeout = Duration::from_secs(10);
+        peers.push(start(c).await);
+    }
+    // Training runs through the moves: migrating replicas must finish their work.
+    let t = trainers_for(&m, &addr, 2, 50).await;
+    let counts = |peers: &[Peer]| -> Vec<usize> {
+        let mut c = vec![0; 3];
+        for p in peers {
+            if let Some(s) = p.stage() {
+                c[s] += 1;
+            }
+        }
+        c
+    };
+    let t0 = Instant::now();
+    while counts(&peers) != [2, 2, 2] {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "not balanced after 60 s: {:?}",
+            counts(&peers)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let balanced_after = t0.elapsed();
+    let moves: u64 = peers.iter().map(|p| p.moves()).sum();
+    // Watch for several more periods: nobody moves again.
+    tokio::time::sleep(period * 4).await;
+    let later: u64 = peers.iter().map(|p| p.moves()).sum();
+    eprintln!(
+        "balanced after {balanced_after:?} with {moves} move(s); {later} after 4 more periods"
+    );
+    assert_eq!(counts(&peers), [2, 2, 2]);
+    assert_eq!(later, moves, "a balanced swarm kept moving");
+    assert!(
+        (2..=4).contains(&moves),
+        "{moves} moves for 2 misplaced peers"
+    );
+    wait_trainers(&t, Duration::from_secs(120)).await;
+    let refs: Vec<&Peer> = peers.iter().collect();
+    settle(&refs).await;
+    let (fed, _done, failed) = check_accounting(&refs, &t, 3, None);
+    assert_eq!(failed, 0, "no microbatch may fail while replicas migrate");
+    assert!(fed > 0);
+    tokio::task::block_in_place(|| assert!(histories_agree(&refs) > 0));
+    t.stop().await.unwrap();
+    for p in peers {
         p.stop().await.unwrap();
     }
     boot.stop().await.unwrap();

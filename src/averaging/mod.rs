@@ -166,7 +166,7 @@ impl Averager {
     }
 
     /// The averager's counters.
-    pub fn stats(&self) -> &AvgStats {
+    pub fn stats(&self) -> &Arc<AvgStats> {
         &self.stats
     }
 }

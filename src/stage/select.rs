@@ -46,6 +46,74 @@ pub fn weakest(loads: &[StageLoad]) -> Option<usize> {
         .map(|l| l.stage)
 }
 
+/// Balance quality below which peers move: the swarm's minimum stage throughput over the
+/// best minimum its replicas could reach (Petals uses the same 0.75).
+pub const BALANCE_QUALITY: f64 = 0.75;
+
+/// The lowest stage total: what bounds the swarm's samples/s.
+pub fn min_total(loads: &[StageLoad]) -> f64 {
+    loads.iter().map(|l| l.total).fold(f64::INFINITY, f64::min)
+}
+
+/// The best minimum stage total the swarm's replicas (their announced throughputs) could
+/// reach over `stages` stages, as the greedy largest-first placement finds it: each
+/// replica, fastest first, goes to the stage with the lowest total so far.
+pub fn ideal_min(stages: usize, throughputs: &[f64]) -> f64 {
+    if stages == 0 {
+        return 0.0;
+    }
+    let mut sorted: Vec<f64> = throughputs
+        .iter()
+        .copied()
+        .filter(|t| t.is_finite())
+        .collect();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let mut totals = vec![0.0f64; stages];
+    for t in sorted {
+        if let Some(low) = totals.iter_mut().min_by(|a, b| a.total_cmp(b)) {
+            *low += t;
+        }
+    }
+    totals.into_iter().fold(f64::INFINITY, f64::min)
+}
+
+/// Where a peer serving `mine` with throughput `my_tp` should move, if anywhere;
+/// `throughputs` are those of every live replica (this one included).
+///
+/// It moves to the weakest stage only when all of these hold:
+/// - its stage keeps at least one other replica (a stage is never emptied);
+/// - the swarm is unbalanced: the minimum stage total is below `quality` × the best
+///   reachable minimum ([`ideal_min`] of every replica's throughput);
+/// - the move strictly evens the stages: what its stage keeps (`total − my_tp`) stays above
+///   what the target had, by a margin of 5% of `my_tp`. Each move then lowers the sum of
+///   squared stage totals by at least `0.1 · my_tp²`, so a swarm whose announcements are
+///   current cannot move back and forth forever (no flapping).
+pub fn rebalance(
+    loads: &[StageLoad],
+    throughputs: &[f64],
+    mine: usize,
+    my_tp: f64,
+    quality: f64,
+) -> Option<usize> {
+    let me = loads.get(mine)?;
+    if me.replicas < 2 || !my_tp.is_finite() || my_tp <= 0.0 {
+        return None;
+    }
+    let target = weakest(loads)?;
+    if target == mine {
+        return None;
+    }
+    let t = &loads[target];
+    if me.total - my_tp <= t.total + 0.05 * my_tp {
+        return None;
+    }
+    let ideal = ideal_min(loads.len(), throughputs);
+    if ideal <= 0.0 || min_total(loads) >= quality * ideal {
+        return None;
+    }
+    Some(target)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,5 +133,127 @@ mod tests {
         assert_eq!(weakest(&[load(0, 1, 5.0), load(1, 1, 5.0)]), Some(0));
         assert_eq!(weakest(&[load(0, 0, 0.0), load(1, 0, 0.0)]), Some(0));
         assert_eq!(weakest(&[]), None);
+    }
+
+    /// Loads of peers with these throughputs per stage.
+    fn swarm(stages: &[&[f64]]) -> (Vec<StageLoad>, Vec<f64>) {
+        let loads = stages
+            .iter()
+            .enumerate()
+            .map(|(i, tps)| load(i, tps.len(), tps.iter().sum()))
+            .collect();
+        (
+            loads,
+            stages.iter().flat_map(|t| t.iter().copied()).collect(),
+        )
+    }
+
+    /// Applies one move of the peer with throughput `tp` from `from` to `to`.
+    fn apply(stages: &mut [Vec<f64>], from: usize, to: usize, tp: f64) {
+        let pos = stages[from].iter().position(|&t| t == tp).unwrap();
+        stages[from].remove(pos);
+        stages[to].push(tp);
+    }
+
+    #[test]
+    fn ideal_places_fastest_first() {
+        assert_eq!(ideal_min(3, &[1.0; 6]), 2.0);
+        assert_eq!(ideal_min(2, &[4.0, 1.0, 1.0, 1.0]), 3.0);
+        assert_eq!(ideal_min(2, &[1.0]), 0.0);
+        assert_eq!(ideal_min(0, &[1.0]), 0.0);
+    }
+
+    #[test]
+    fn four_on_one_stage_spread_in_two_moves_and_then_stay() {
+        let mut stages = vec![vec![1.0; 4], vec![1.0], vec![1.0]];
+        let mut moves = 0;
+        // Every peer checks in turn, many rounds: the swarm settles and then nobody moves.
+        for _round in 0..10 {
+            for s in 0..stages.len() {
+                for i in 0..stages[s].len() {
+                    let (loads, tps) =
+                        swarm(&stages.iter().map(|v| v.as_slice()).collect::<Vec<_>>());
+                    if i >= stages[s].len() {
+                        break;
+                    }
+                    let tp = stages[s][i];
+                    if let Some(to) = rebalance(&loads, &tps, s, tp, BALANCE_QUALITY) {
+                        apply(&mut stages, s, to, tp);
+                        moves += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(moves, 2);
+        assert!(stages.iter().all(|s| s.len() == 2), "{stages:?}");
+    }
+
+    #[test]
+    fn never_empties_a_stage_nor_moves_without_gain() {
+        // Alone on its stage: stays, however strong it is.
+        let (loads, tps) = swarm(&[&[10.0], &[1.0, 1.0]]);
+        assert_eq!(rebalance(&loads, &tps, 0, 10.0, BALANCE_QUALITY), None);
+        // [2, 1] peers: moving would only mirror the imbalance.
+        let (loads, tps) = swarm(&[&[1.0, 1.0], &[1.0]]);
+        assert_eq!(rebalance(&loads, &tps, 0, 1.0, BALANCE_QUALITY), None);
+        // Balanced enough (quality 0.8 ≥ 0.75): stays.
+        let (loads, tps) = swarm(&[&[1.0, 1.0, 1.0], &[1.0, 0.6]]);
+        assert_eq!(rebalance(&loads, &tps, 0, 1.0, BALANCE_QUALITY), None);
+        // Already on the weakest stage: stays.
+        let (loads, tps) = swarm(&[&[1.0, 1.0, 1.0], &[1.0]]);
+        assert_eq!(rebalance(&loads, &tps, 1, 1.0, BALANCE_QUALITY), None);
+        // An empty stage pulls a replica from a stage with two.
+        let (loads, tps) = swarm(&[&[1.0, 1.0], &[]]);
+        assert_eq!(rebalance(&loads, &tps, 0, 1.0, BALANCE_QUALITY), Some(1));
+    }
+
+    #[test]
+    fn heterogeneous_moves_the_peer_that_fits() {
+        // Stage 0 holds a fast and a slow peer, stage 1 one medium one: the fast peer would
+        // leave too little behind, the slow one moves.
+        let (loads, tps) = swarm(&[&[4.0, 1.0], &[1.5]]);
+        assert_eq!(rebalance(&loads, &tps, 0, 4.0, BALANCE_QUALITY), None);
+        assert_eq!(rebalance(&loads, &tps, 0, 1.0, BALANCE_QUALITY), Some(1));
+    }
+
+    #[test]
+    fn random_swarms_settle_without_flapping() {
+        let mut rng = crate::rng::Rng::new(11);
+        for _case in 0..200 {
+            let n_stages = 2 + (rng.next_u64() % 3) as usize;
+            let mut stages: Vec<Vec<f64>> = vec![Vec::new(); n_stages];
+            for _ in 0..(n_stages + (rng.next_u64() % 8) as usize) {
+                let s = (rng.next_u64() % n_stages as u64) as usize;
+                stages[s].push(1.0 + (rng.next_u64() % 4) as f64);
+            }
+            let mut moves = 0;
+            let mut settled = false;
+            for _round in 0..100 {
+                let mut moved = false;
+                for s in 0..n_stages {
+                    let mut i = 0;
+                    while i < stages[s].len() {
+                        let (loads, tps) =
+                            swarm(&stages.iter().map(|v| v.as_slice()).collect::<Vec<_>>());
+                        let tp = stages[s][i];
+                        if let Some(to) = rebalance(&loads, &tps, s, tp, BALANCE_QUALITY) {
+                            let before = loads.iter().filter(|l| l.replicas > 0).count();
+                            apply(&mut stages, s, to, tp);
+                            let after = stages.iter().filter(|v| !v.is_empty()).count();
+                            assert!(after >= before, "a move emptied a stage");
+                            moves += 1;
+                            moved = true;
+                        } else {
+                            i += 1;
+                        }
+                    }
+                }
+                if !moved {
+                    settled = true;
+                    break;
+                }
+            }
+            assert!(settled, "no fixed point after {moves} moves: {stages:?}");
+        }
     }
 }

@@ -20,7 +20,7 @@ use candle_core::{DType, Tensor};
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::PeerId;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
@@ -140,6 +140,8 @@ struct Shared {
     progress: Arc<Notify>,
     avg_tx: Mutex<Option<mpsc::Sender<Inbound>>>,
     snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
+    /// Set when the replica is leaving: no new forward passes, no `info` answers.
+    draining: AtomicBool,
 }
 
 impl Shared {
@@ -162,12 +164,14 @@ struct Reply {
 /// A running stage service. Dropping it stops accepting streams.
 pub struct StageService {
     shared: Arc<Shared>,
-    accept: tokio::task::JoinHandle<()>,
+    accept: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Drop for StageService {
     fn drop(&mut self) {
-        self.accept.abort();
+        if let Some(a) = lock(&self.accept).take() {
+            a.abort();
+        }
         // Without the sender the compute thread finishes the queued jobs and exits.
         lock(&self.shared.jobs).take();
     }
@@ -224,6 +228,7 @@ impl StageService {
             progress: Arc::new(Notify::new()),
             avg_tx: Mutex::new(None),
             snapshots: Mutex::new(VecDeque::new()),
+            draining: AtomicBool::new(false),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
@@ -238,7 +243,35 @@ impl StageService {
                 tokio::spawn(handle(Arc::clone(&accept_shared), peer, stream));
             }
         });
-        Ok(Self { shared, accept })
+        Ok(Self {
+            shared,
+            accept: Mutex::new(Some(accept)),
+        })
+    }
+
+    /// Starts leaving: forward passes and `info` calls are refused from now on (callers
+    /// swap in another replica), while backward passes of microbatches already forwarded
+    /// here, averaging and state downloads are still served.
+    pub fn drain(&self) {
+        self.shared.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`drain`](Self::drain) was called.
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Relaxed)
+    }
+
+    /// Stops serving: no more streams are accepted (the protocol can be accepted again at
+    /// once, e.g. by the service of another stage) and the compute thread exits after the
+    /// jobs already queued.
+    pub async fn close(&self) {
+        self.drain();
+        lock(&self.shared.jobs).take();
+        let accept = lock(&self.accept).take();
+        if let Some(a) = accept {
+            a.abort();
+            let _ = a.await;
+        }
     }
 
     /// The stage served.
@@ -396,6 +429,16 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
         Ok(Ok(x)) => x,
     };
     if let Some(r) = check(&shared, &req) {
+        respond(&mut stream, &r).await;
+        return;
+    }
+    let draining = shared.draining.load(Ordering::Relaxed);
+    if draining && matches!(req.op, Op::Info | Op::Forward) {
+        let r = refusal(
+            &shared,
+            ErrorKind::Overloaded,
+            "this replica is leaving its stage; use another",
+        );
         respond(&mut stream, &r).await;
         return;
     }

@@ -5,9 +5,16 @@
 //! the file, then publish it; or from the DHT by id, checked against its hash), choose the
 //! stage, build it with the deterministic init, measure its throughput, start serving, then
 //! announce and keep re-announcing at a third of the announcement's lifetime.
+//!
+//! Rebalancing: every `rebalance` period (randomised ±50%) a serving peer reads the live
+//! swarm and asks [`select::rebalance`] whether moving to the weakest stage would even the
+//! stages out; it confirms after a short random pause, then leaves its stage gracefully
+//! (no new forward passes, in-flight backward passes finished, its accumulated gradients
+//! averaged) and joins the target stage like a new peer, syncing its state from the
+//! replicas there.
 
 use crate::averaging::sync::{self, SyncError, SyncReport};
-use crate::averaging::{Averager, AveragerConfig};
+use crate::averaging::{Averager, AveragerConfig, AvgStats};
 use crate::dht::{self, Announcement, Manifest, ManifestError};
 use crate::model::{ModelError, Stage};
 use crate::net::{self, NetConfig, NetError, NetHandle};
@@ -21,8 +28,12 @@ use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
 use libp2p::{Multiaddr, PeerId};
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Receives one line per notable event: start-up steps, migrations.
+pub type Logger = Arc<dyn Fn(String) + Send + Sync>;
 
 /// Where the run comes from.
 #[derive(Debug, Clone)]
@@ -82,6 +93,12 @@ pub struct PeerConfig {
     pub trainer: TrainerConfig,
     /// Where to write the stage's checkpoint on stop.
     pub checkpoint: Option<PathBuf>,
+    /// Samples/s to announce instead of measuring the stage at start-up.
+    pub throughput: Option<f64>,
+    /// Mean time between rebalancing checks (each randomised ±50%); `None`: never move.
+    pub rebalance: Option<Duration>,
+    /// How long a leaving replica waits for its in-flight work and accumulated gradients.
+    pub drain_timeout: Duration,
 }
 
 impl PeerConfig {
@@ -105,6 +122,9 @@ impl PeerConfig {
             trainers: 0,
             trainer: TrainerConfig::default(),
             checkpoint: None,
+            throughput: None,
+            rebalance: None,
+            drain_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -138,24 +158,47 @@ pub enum PeerError {
     Invalid(String),
 }
 
+/// What a peer has while it serves a stage.
+struct Serving {
+    service: Arc<StageService>,
+    averager: Averager,
+    refresher: tokio::task::JoinHandle<()>,
+    samples_per_s: f64,
+    synced: Option<SyncReport>,
+}
+
+/// The stage being served, shared with the rebalancer (empty while migrating).
+type Slot = Arc<Mutex<Option<Serving>>>;
+
+fn slot_lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Serving>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What serving and migrating need, shared by the peer and its rebalancer.
+struct Ctx {
+    net: NetHandle,
+    manifest: Manifest,
+    cfg: PeerConfig,
+    last: Arc<Mutex<Option<Announcement>>>,
+    log: Logger,
+}
+
 /// A serving peer.
 pub struct Peer {
-    net: NetHandle,
-    service: Option<Arc<StageService>>,
-    averager: Option<Averager>,
-    trainers: Vec<Trainer>,
-    manifest: Manifest,
+    ctx: Arc<Ctx>,
     addrs: Vec<Multiaddr>,
-    refresher: Option<tokio::task::JoinHandle<()>>,
-    last: Arc<std::sync::Mutex<Option<Announcement>>>,
-    checkpoint: Option<PathBuf>,
-    synced: Option<SyncReport>,
+    slot: Slot,
+    /// Held for the whole of a migration, so that stopping waits for one to finish.
+    moving: Arc<tokio::sync::Mutex<()>>,
+    rebalancer: Option<tokio::task::JoinHandle<()>>,
+    moves: Arc<AtomicU64>,
+    trainers: Vec<Trainer>,
 }
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peer")
-            .field("peer", &self.net.local_peer_id())
+            .field("peer", &self.ctx.net.local_peer_id())
             .field("stage", &self.stage())
             .finish()
     }
@@ -186,8 +229,19 @@ pub async fn join(net: &NetHandle, bootstrap: &[Multiaddr]) -> Result<(), PeerEr
 }
 
 impl Peer {
-    /// Starts a peer; `log` receives one line per start-up event.
-    pub async fn start(cfg: PeerConfig, log: &(dyn Fn(String) + Sync)) -> Result<Self, PeerError> {
+    /// Starts a peer; `log` receives one line per start-up event (and per migration).
+    pub async fn start(
+        cfg: PeerConfig,
+        log: impl Fn(String) + Send + Sync + 'static,
+    ) -> Result<Self, PeerError> {
+        let log: Logger = Arc::new(log);
+        if let Some(t) = cfg.throughput {
+            if !t.is_finite() || t <= 0.0 {
+                return Err(PeerError::Invalid(format!(
+                    "the throughput must be a positive number of samples/s, not {t}"
+                )));
+            }
+        }
         // Read the manifest file first: a typo should not cost a network start.
         let from_file = match &cfg.run {
             RunSource::File(p) => Some(Manifest::load(p)?),
@@ -217,7 +271,17 @@ impl Peer {
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
         log(format!("run {}", manifest.id));
         let count = manifest.config.stages.count;
-        let per_stage = registry::read_run(&net, &manifest.id, count).await?;
+        let ctx = Arc::new(Ctx {
+            net: net.clone(),
+            manifest: manifest.clone(),
+            cfg: cfg.clone(),
+            last: Arc::new(Mutex::new(None)),
+            log,
+        });
+        let per_stage = match cfg.stage {
+            StageChoice::None => Vec::new(),
+            _ => ctx.live().await?,
+        };
         let stage_idx = match cfg.stage {
             StageChoice::Index(i) if i < count => Some(i),
             StageChoice::Index(i) => {
@@ -228,50 +292,38 @@ impl Peer {
                 )))
             }
             StageChoice::Auto => {
-                // Only replicas that answer count: a dead one's announcement lives until
-                // it expires.
-                let client = StageClient::new(
-                    net.clone(),
-                    manifest.id.clone(),
-                    manifest.config.codecs.activations,
-                )
-                .with_timeout(Duration::from_secs(2));
-                let checks = futures::future::join_all(per_stage.iter().flatten().map(|a| {
-                    let client = client.clone();
-                    let a = a.clone();
-                    async move {
-                        let peer: PeerId = a.peer.parse().ok()?;
-                        let addrs: Vec<Multiaddr> =
-                            a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
-                        client.net().add_addresses(peer, addrs).await.ok()?;
-                        client.info(peer, a.stage as usize).await.ok().map(|_| a)
-                    }
-                }))
-                .await;
-                let anns: Vec<Announcement> = checks.into_iter().flatten().collect();
+                let anns: Vec<Announcement> = per_stage.iter().flatten().cloned().collect();
                 Some(select::weakest(&select::loads(count, &anns)).unwrap_or(0))
             }
             StageChoice::None => None,
         };
-        let last = Arc::new(std::sync::Mutex::new(None));
         let mut peer = Self {
-            net: net.clone(),
-            service: None,
-            averager: None,
-            trainers: Vec::new(),
-            manifest: manifest.clone(),
+            ctx: Arc::clone(&ctx),
             addrs,
-            refresher: None,
-            last: Arc::clone(&last),
-            checkpoint: cfg.checkpoint.clone(),
-            synced: None,
+            slot: Arc::new(Mutex::new(None)),
+            moving: Arc::new(tokio::sync::Mutex::new(())),
+            rebalancer: None,
+            moves: Arc::new(AtomicU64::new(0)),
+            trainers: Vec::new(),
         };
         if let Some(stage_idx) = stage_idx {
-            let donors: Vec<PeerId> = per_stage[stage_idx]
-                .iter()
-                .filter_map(|a| a.peer.parse().ok())
-                .collect();
-            peer.serve(&cfg, stage_idx, &donors, log).await?;
+            let donors = peers_of(&per_stage[stage_idx]);
+            let serving = ctx.serve(stage_idx, &donors).await?;
+            *slot_lock(&peer.slot) = Some(serving);
+            if let Some(period) = cfg.rebalance {
+                let seed = crate::rng::derive_seed(
+                    crate::dht::now_ms(),
+                    &format!("{}/rebalance", net.local_peer_id()),
+                );
+                peer.rebalancer = Some(tokio::spawn(rebalance_loop(
+                    Arc::clone(&ctx),
+                    Arc::clone(&peer.slot),
+                    Arc::clone(&peer.moving),
+                    Arc::clone(&peer.moves),
+                    period,
+                    seed,
+                )));
+            }
         }
         let me = net.local_peer_id().to_string();
         for i in 0..cfg.trainers {
@@ -281,84 +333,9 @@ impl Peer {
                 .push(Trainer::spawn(net.clone(), &manifest, tcfg)?);
         }
         if cfg.trainers > 0 {
-            log(format!("running {} trainer loop(s)", cfg.trainers));
+            (ctx.log)(format!("running {} trainer loop(s)", cfg.trainers));
         }
         Ok(peer)
-    }
-
-    async fn serve(
-        &mut self,
-        cfg: &PeerConfig,
-        stage_idx: usize,
-        donors: &[PeerId],
-        log: &(dyn Fn(String) + Sync),
-    ) -> Result<(), PeerError> {
-        let manifest = &self.manifest;
-        let count = manifest.config.stages.count;
-        let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
-        let m = &manifest.config.model;
-        let samples_per_s = measure_throughput(
-            &stage,
-            manifest.config.training.batch_size,
-            m.seq_len,
-            m.d_model,
-            2,
-            cfg.bench_budget,
-        )?;
-        let mut replica = Replica::new(&manifest.config, stage)?;
-        let client = StageClient::new(
-            self.net.clone(),
-            manifest.id.clone(),
-            manifest.config.codecs.activations,
-        );
-        if !donors.is_empty() {
-            // A stage that already has replicas: start from their state, not the init.
-            let mut rng = Rng::new(crate::rng::derive_seed(
-                crate::dht::now_ms(),
-                &self.net.local_peer_id().to_string(),
-            ));
-            let len = replica.snapshot_len();
-            let (snap, report) = sync::download(&client, stage_idx, donors, len, &mut rng).await?;
-            replica.restore(&snap)?;
-            log(format!(
-                "synced stage {stage_idx} at step {} from {} donor(s), chunks {:?}",
-                snap.step,
-                report.donors.len(),
-                report.chunks_per_donor
-            ));
-            self.synced = Some(report);
-        }
-        let replica = Arc::new(tokio::sync::Mutex::new(replica));
-        let service = Arc::new(StageService::start(
-            &self.net,
-            manifest,
-            replica,
-            cfg.service.clone(),
-        )?);
-        let avg_cfg = AveragerConfig::new(
-            manifest.config.target_batch_size() as u64,
-            manifest.config.codecs.gradients,
-        );
-        let seed =
-            crate::rng::derive_seed(crate::dht::now_ms(), &self.net.local_peer_id().to_string());
-        self.averager = Some(Averager::spawn(client, Arc::clone(&service), avg_cfg, seed));
-        log(format!(
-            "serving stage {stage_idx} of {count} on {}: {samples_per_s:.1} samples/s",
-            cfg.device_name
-        ));
-        let ctx = Refresh {
-            net: self.net.clone(),
-            service: Arc::clone(&service),
-            manifest: manifest.clone(),
-            device: cfg.device_name.clone(),
-            samples_per_s,
-            ttl: cfg.announce_ttl,
-            last: Arc::clone(&self.last),
-        };
-        ctx.once().await?;
-        self.refresher = Some(tokio::spawn(ctx.run()));
-        self.service = Some(service);
-        Ok(())
     }
 
     /// The trainer loops.
@@ -366,19 +343,23 @@ impl Peer {
         &self.trainers
     }
 
-    /// The averager, when serving.
-    pub fn averager(&self) -> Option<&Averager> {
-        self.averager.as_ref()
+    /// The averager's counters, when serving.
+    pub fn avg_stats(&self) -> Option<Arc<AvgStats>> {
+        slot_lock(&self.slot)
+            .as_ref()
+            .map(|s| Arc::clone(s.averager.stats()))
     }
 
-    /// How the state was downloaded at start, if it was.
-    pub fn synced(&self) -> Option<&SyncReport> {
-        self.synced.as_ref()
+    /// How the state of the stage served now was downloaded, if it was.
+    pub fn synced(&self) -> Option<SyncReport> {
+        slot_lock(&self.slot)
+            .as_ref()
+            .and_then(|s| s.synced.clone())
     }
 
     /// The network handle.
     pub fn net(&self) -> &NetHandle {
-        &self.net
+        &self.ctx.net
     }
 
     /// The full addresses printed at start.
@@ -388,56 +369,315 @@ impl Peer {
 
     /// The run.
     pub fn manifest(&self) -> &Manifest {
-        &self.manifest
+        &self.ctx.manifest
     }
 
-    /// The stage served, if any.
+    /// The stage served, if any (none for a moment while migrating).
     pub fn stage(&self) -> Option<usize> {
-        self.service.as_ref().map(|s| s.stage())
+        slot_lock(&self.slot).as_ref().map(|s| s.service.stage())
     }
 
     /// The stage service, if serving.
-    pub fn service(&self) -> Option<&StageService> {
-        self.service.as_deref()
+    pub fn service(&self) -> Option<Arc<StageService>> {
+        slot_lock(&self.slot)
+            .as_ref()
+            .map(|s| Arc::clone(&s.service))
     }
 
-    /// Stops gracefully: trainers finish their microbatches, the stage stops taking work
-    /// when its announcements are withdrawn, the checkpoint is written atomically.
-    pub async fn stop(self) -> Result<(), PeerError> {
-        for t in self.trainers {
+    /// Migrations done by rebalancing.
+    pub fn moves(&self) -> u64 {
+        self.moves.load(Ordering::Relaxed)
+    }
+
+    /// Stops gracefully: trainers finish their microbatches; the stage withdraws its
+    /// announcements, refuses new forward passes, finishes the queued work and waits (up
+    /// to `drain_timeout`) for its accumulated gradients to be averaged; then the
+    /// checkpoint is written atomically.
+    pub async fn stop(mut self) -> Result<(), PeerError> {
+        for t in std::mem::take(&mut self.trainers) {
             t.stop().await;
         }
-        if let Some(r) = &self.refresher {
+        let _moving = self.moving.lock().await;
+        if let Some(r) = self.rebalancer.take() {
             r.abort();
         }
-        let last = self.last.lock().ok().and_then(|g| g.clone());
-        if let Some(a) = last {
-            let _ = registry::withdraw(&self.net, &a).await;
-        }
-        drop(self.averager);
+        let serving = slot_lock(&self.slot).take();
         let mut result = Ok(());
-        if let (Some(svc), Some(path)) = (&self.service, &self.checkpoint) {
-            let replica = svc.replica();
-            let path = path.clone();
-            let r = tokio::task::spawn_blocking(move || replica.blocking_lock().save(&path))
-                .await
-                .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")));
-            result = match r {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(e.into()),
-                Err(e) => Err(e),
-            };
+        if let Some(serving) = serving {
+            let service = self.ctx.leave(serving).await;
+            if let Some(path) = &self.ctx.cfg.checkpoint {
+                let replica = service.replica();
+                let path = path.clone();
+                let r = tokio::task::spawn_blocking(move || replica.blocking_lock().save(&path))
+                    .await
+                    .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")));
+                result = match r {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.into()),
+                    Err(e) => Err(e),
+                };
+            }
         }
-        self.net.shutdown().await;
+        self.ctx.net.shutdown().await;
         result
     }
 
     /// Stops at once without withdrawing anything: what a crash looks like to the swarm.
-    pub async fn kill(self) {
-        if let Some(r) = &self.refresher {
+    pub async fn kill(mut self) {
+        if let Some(r) = self.rebalancer.take() {
             r.abort();
         }
-        self.net.shutdown().await;
+        if let Some(s) = slot_lock(&self.slot).take() {
+            s.refresher.abort();
+        }
+        self.ctx.net.shutdown().await;
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Some(r) = self.rebalancer.take() {
+            r.abort();
+        }
+        if let Some(s) = slot_lock(&self.slot).take() {
+            s.refresher.abort();
+        }
+    }
+}
+
+fn peers_of(anns: &[Announcement]) -> Vec<PeerId> {
+    anns.iter().filter_map(|a| a.peer.parse().ok()).collect()
+}
+
+impl Ctx {
+    /// The live replicas of every stage: announcements whose peer answers `info` for that
+    /// stage (a dead peer's announcement lives on until it expires, and a leaving one
+    /// refuses `info`). This peer's own announcement counts without a call.
+    async fn live(&self) -> Result<Vec<Vec<Announcement>>, PeerError> {
+        let count = self.manifest.config.stages.count;
+        let per_stage = registry::read_run(&self.net, &self.manifest.id, count).await?;
+        let me = self.net.local_peer_id().to_string();
+        let client = StageClient::new(
+            self.net.clone(),
+            self.manifest.id.clone(),
+            self.manifest.config.codecs.activations,
+        )
+        .with_timeout(Duration::from_secs(2));
+        let checks = futures::future::join_all(
+            per_stage
+                .into_iter()
+                .flatten()
+                .filter(|a| a.peer != me)
+                .map(|a| {
+                    let client = client.clone();
+                    async move {
+                        let peer: PeerId = a.peer.parse().ok()?;
+                        let addrs: Vec<Multiaddr> =
+                            a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+                        client.net().add_addresses(peer, addrs).await.ok()?;
+                        client.info(peer, a.stage as usize).await.ok().map(|_| a)
+                    }
+                }),
+        )
+        .await;
+        let mut out: Vec<Vec<Announcement>> = vec![Vec::new(); count];
+        let mine = self.last.lock().ok().and_then(|g| g.clone());
+        for a in checks.into_iter().flatten().chain(mine) {
+            if let Some(v) = out.get_mut(a.stage as usize) {
+                v.push(a);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Builds, syncs (from `donors`, if any), serves and announces stage `stage_idx`.
+    async fn serve(&self, stage_idx: usize, donors: &[PeerId]) -> Result<Serving, PeerError> {
+        let cfg = &self.cfg;
+        let manifest = &self.manifest;
+        let count = manifest.config.stages.count;
+        let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
+        let m = &manifest.config.model;
+        let samples_per_s = match cfg.throughput {
+            Some(t) => t,
+            None => measure_throughput(
+                &stage,
+                manifest.config.training.batch_size,
+                m.seq_len,
+                m.d_model,
+                2,
+                cfg.bench_budget,
+            )?,
+        };
+        let mut replica = Replica::new(&manifest.config, stage)?;
+        let client = StageClient::new(
+            self.net.clone(),
+            manifest.id.clone(),
+            manifest.config.codecs.activations,
+        );
+        let mut synced = None;
+        if !donors.is_empty() {
+            // A stage that already has replicas: start from their state, not the init.
+            let mut rng = Rng::new(crate::rng::derive_seed(
+                crate::dht::now_ms(),
+                &self.net.local_peer_id().to_string(),
+            ));
+            let len = replica.snapshot_len();
+            let (snap, report) = sync::download(&client, stage_idx, donors, len, &mut rng).await?;
+            replica.restore(&snap)?;
+            (self.log)(format!(
+                "synced stage {stage_idx} at step {} from {} donor(s), chunks {:?}",
+                snap.step,
+                report.donors.len(),
+                report.chunks_per_donor
+            ));
+            synced = Some(report);
+        }
+        let replica = Arc::new(tokio::sync::Mutex::new(replica));
+        let service = Arc::new(StageService::start(
+            &self.net,
+            manifest,
+            replica,
+            cfg.service.clone(),
+        )?);
+        let avg_cfg = self.avg_config();
+        let seed =
+            crate::rng::derive_seed(crate::dht::now_ms(), &self.net.local_peer_id().to_string());
+        let averager = Averager::spawn(client, Arc::clone(&service), avg_cfg, seed);
+        (self.log)(format!(
+            "serving stage {stage_idx} of {count} on {}: {samples_per_s:.1} samples/s",
+            cfg.device_name
+        ));
+        let refresh = Refresh {
+            net: self.net.clone(),
+            service: Arc::clone(&service),
+            manifest: manifest.clone(),
+            device: cfg.device_name.clone(),
+            samples_per_s,
+            ttl: cfg.announce_ttl,
+            last: Arc::clone(&self.last),
+        };
+        refresh.once().await?;
+        Ok(Serving {
+            service,
+            averager,
+            refresher: tokio::spawn(refresh.run()),
+            samples_per_s,
+            synced,
+        })
+    }
+
+    fn avg_config(&self) -> AveragerConfig {
+        AveragerConfig::new(
+            self.manifest.config.target_batch_size() as u64,
+            self.manifest.config.codecs.gradients,
+        )
+    }
+
+    /// Leaves a stage gracefully and returns its service (closed) for a checkpoint.
+    async fn leave(&self, serving: Serving) -> Arc<StageService> {
+        serving.refresher.abort();
+        let last = self.last.lock().ok().and_then(|mut g| g.take());
+        if let Some(a) = last {
+            let _ = registry::withdraw(&self.net, &a).await;
+        }
+        let service = Arc::clone(&serving.service);
+        service.drain();
+        let deadline = Instant::now() + self.cfg.drain_timeout;
+        loop {
+            let st = service.status();
+            let pending = st.accum_count + st.frozen_count;
+            if service.queue_len() == 0 && pending == 0 {
+                // Let the averager tell the stage that nothing is pending here any more,
+                // so the others do not count this replica's last reported samples as lost.
+                tokio::time::sleep(self.avg_config().heartbeat * 2).await;
+                break;
+            }
+            if Instant::now() >= deadline {
+                (self.log)(format!(
+                    "leaving stage {} with {} request(s) queued and {pending} sample(s) not yet averaged",
+                    service.stage(),
+                    service.queue_len()
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(serving.averager);
+        service.close().await;
+        service
+    }
+
+    /// Where this peer should move from `mine`, judged on the live swarm.
+    async fn target(&self, mine: usize, my_tp: f64) -> Option<(usize, Vec<Vec<Announcement>>)> {
+        let live = self.live().await.ok()?;
+        let anns: Vec<Announcement> = live.iter().flatten().cloned().collect();
+        let loads = select::loads(self.manifest.config.stages.count, &anns);
+        let tps: Vec<f64> = anns.iter().map(|a| a.samples_per_s).collect();
+        select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY).map(|t| (t, live))
+    }
+}
+
+/// Checks now and then whether to move to the weakest stage, and moves.
+async fn rebalance_loop(
+    ctx: Arc<Ctx>,
+    slot: Slot,
+    moving: Arc<tokio::sync::Mutex<()>>,
+    moves: Arc<AtomicU64>,
+    period: Duration,
+    seed: u64,
+) {
+    let mut rng = Rng::new(seed);
+    let me = ctx.net.local_peer_id().to_string();
+    loop {
+        tokio::time::sleep(period.mul_f64(0.5 + rng.next_f64())).await;
+        let current = slot_lock(&slot)
+            .as_ref()
+            .map(|s| (s.service.stage(), s.samples_per_s));
+        let Some((mine, tp)) = current else {
+            continue;
+        };
+        if ctx.target(mine, tp).await.is_none() {
+            continue;
+        }
+        // Confirm after a random pause, so peers that decided together see each other move.
+        tokio::time::sleep(period.mul_f64(0.25 * rng.next_f64())).await;
+        let Some((target, live)) = ctx.target(mine, tp).await else {
+            continue;
+        };
+        let _guard = moving.lock().await;
+        let Some(serving) = slot_lock(&slot).take() else {
+            continue;
+        };
+        (ctx.log)(format!(
+            "rebalancing: moving from stage {mine} to the weakest stage {target}"
+        ));
+        ctx.leave(serving).await;
+        let others = |s: usize| -> Vec<PeerId> {
+            let anns: Vec<Announcement> =
+                live[s].iter().filter(|a| a.peer != me).cloned().collect();
+            peers_of(&anns)
+        };
+        let serving = match ctx.serve(target, &others(target)).await {
+            Ok(s) => {
+                moves.fetch_add(1, Ordering::Relaxed);
+                Some(s)
+            }
+            Err(e) => {
+                (ctx.log)(format!(
+                    "cannot serve stage {target} ({e}); going back to stage {mine}"
+                ));
+                match ctx.serve(mine, &others(mine)).await {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        (ctx.log)(format!(
+                            "cannot serve stage {mine} again: {e}; serving nothing"
+                        ));
+                        None
+                    }
+                }
+            }
+        };
+        *slot_lock(&slot) = serving;
     }
 }
 
@@ -448,7 +688,7 @@ struct Refresh {
     device: String,
     samples_per_s: f64,
     ttl: Duration,
-    last: Arc<std::sync::Mutex<Option<Announcement>>>,
+    last: Arc<Mutex<Option<Announcement>>>,
 }
 
 impl Refresh {
