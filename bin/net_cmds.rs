@@ -44,6 +44,10 @@ pub struct NetArgs {
     /// Print network events to stderr.
     #[arg(long, hide = true)]
     verbose: bool,
+    /// Emulate a home link on every connection (tests and benchmarks), e.g.
+    /// `bw=100mbit,rtt=50ms` or `up=20mbit,down=100mbit,rtt=30ms`; TCP only.
+    #[arg(long, value_name = "SPEC", hide = true)]
+    emulate_link: Option<String>,
 }
 
 #[derive(Args)]
@@ -88,6 +92,12 @@ pub struct PeerArgs {
     /// swarm (randomised ±50%); 0 never moves.
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     rebalance_every: u64,
+    /// Serve a run whose stages are the `sim` stand-in (benchmarks and tests only).
+    #[arg(long)]
+    allow_sim: bool,
+    /// Multiply a `sim` stage's time per sample (benchmarks of uneven swarms).
+    #[arg(long, default_value_t = 1.0, value_name = "X", hide = true)]
+    sim_slowdown: f64,
 }
 
 #[derive(Args)]
@@ -106,6 +116,9 @@ pub struct SwarmTrainArgs {
     /// First data stream index (each loop reads its own stream).
     #[arg(long, default_value_t = 0, value_name = "I")]
     data_index: u64,
+    /// Milliseconds between progress lines.
+    #[arg(long, default_value_t = 2000, value_name = "MS", hide = true)]
+    report_ms: u64,
 }
 
 #[derive(Args)]
@@ -182,6 +195,11 @@ fn net_config(
         .map(keys::read_swarm_key)
         .transpose()?;
     cfg.verbose = a.verbose;
+    cfg.link = a
+        .emulate_link
+        .as_deref()
+        .map(shoal::net::link::LinkSpec::parse)
+        .transpose()?;
     Ok(cfg)
 }
 
@@ -239,10 +257,13 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
         bail!("--announce-ttl must be between 1 and 600 seconds");
     }
     let bootstrap = parse_addrs(&a.net.bootstrap)?;
+    if !(a.sim_slowdown.is_finite() && a.sim_slowdown > 0.0) {
+        bail!("--sim-slowdown must be a positive number");
+    }
     let mut listen = parse_addrs(&a.listen)?;
     if listen.is_empty() {
         listen.push(net::parse_addr("/ip4/0.0.0.0/tcp/0")?);
-        if a.net.swarm_key.is_none() {
+        if a.net.swarm_key.is_none() && a.net.emulate_link.is_none() {
             listen.push(net::parse_addr("/ip4/0.0.0.0/udp/0/quic-v1")?);
         }
     }
@@ -277,6 +298,8 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
         },
     };
     cfg.rebalance = (a.rebalance_every > 0).then(|| Duration::from_secs(a.rebalance_every));
+    cfg.allow_sim = a.allow_sim;
+    cfg.sim_slowdown = a.sim_slowdown;
     let rt = runtime()?;
     rt.block_on(async move {
         let log = |line: String| println!("{line}");
@@ -307,10 +330,18 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
 }
 
 fn trainer_line(stats: &[std::sync::Arc<shoal::trainer::TrainerStats>], peer: &Peer) -> String {
+    let clients: Vec<_> = peer.trainers().iter().map(|t| t.client().clone()).collect();
+    progress_line(stats, &clients)
+}
+
+fn progress_line(
+    stats: &[std::sync::Arc<shoal::trainer::TrainerStats>],
+    clients: &[shoal::stage::client::StageClient],
+) -> String {
     use std::sync::atomic::Ordering::Relaxed;
     let (mut wire, mut raw) = (0, 0);
-    for t in peer.trainers() {
-        let c = t.client().counters();
+    for c in clients {
+        let c = c.counters();
         wire += c.sent.load(Relaxed) + c.received.load(Relaxed);
         raw += c.raw.load(Relaxed);
     }
@@ -334,6 +365,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     cfg.trainers = a.trainers;
     cfg.trainer.concurrency = a.concurrency;
     cfg.trainer.index = a.data_index;
+    let report_ms = a.report_ms.max(50);
     let rt = runtime()?;
     rt.block_on(async move {
         let log = |line: String| println!("{line}");
@@ -347,7 +379,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
         loop {
             tokio::select! {
                 _ = shutdown_signal() => break,
-                _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                _ = tokio::time::sleep(Duration::from_millis(report_ms)) => {}
             }
             println!(
                 "{}  ({:.0} s)",
@@ -358,9 +390,11 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
                 break;
             }
         }
-        let last = trainer_line(&stats, &peer);
+        // Counters shared with the trainers' clients: the final line counts the microbatches
+        // that finished (or failed) while stopping.
+        let clients: Vec<_> = peer.trainers().iter().map(|t| t.client().clone()).collect();
         peer.stop().await?;
-        println!("done: {last}");
+        println!("done: {}", progress_line(&stats, &clients));
         for s in &stats {
             if let Ok(f) = s.failures.lock() {
                 for (reason, n) in f.iter() {
@@ -549,4 +583,61 @@ pub fn demo(
         }
         None => Ok(ExitCode::SUCCESS),
     }
+}
+
+pub fn bench_swarm(
+    scenarios: &str,
+    seconds: f64,
+    warmup: f64,
+    concurrency: usize,
+    json: Option<PathBuf>,
+) -> Result<ExitCode> {
+    use shoal::bench::swarm as bs;
+    if !(seconds.is_finite() && seconds >= 1.0 && warmup.is_finite() && warmup >= 0.0) {
+        bail!("--seconds must be at least 1 and --warmup at least 0");
+    }
+    if concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    let names: Vec<&str> = if scenarios == "all" {
+        bs::SCENARIOS.to_vec()
+    } else {
+        scenarios.split(',').map(str::trim).collect()
+    };
+    let opts = bs::BenchOptions {
+        exe: std::env::current_exe().context("cannot find the shoal binary to start peers")?,
+        warmup,
+        seconds,
+        concurrency,
+    };
+    let mut setups = Vec::new();
+    for n in &names {
+        match bs::scenario(n, &opts) {
+            Some(s) => setups.extend(s),
+            None => bail!(
+                "unknown scenario {n:?}; known: {}, all",
+                bs::SCENARIOS.join(", ")
+            ),
+        }
+    }
+    let mut rows = Vec::new();
+    for s in &setups {
+        println!("running {} ({} replicas, {} trainers)", s.label, s.replicas.len(), s.trainers.len());
+        let row = bs::run_setup(s, &opts, &|l| println!("{l}"))?;
+        println!("{}", bs::HEADER);
+        println!("{}", row.line());
+        rows.push(row);
+    }
+    println!();
+    println!("{}", bs::HEADER);
+    for r in &rows {
+        println!("{}", r.line());
+    }
+    if let Some(path) = json {
+        let v = serde_json::Value::Array(rows.iter().map(|r| r.to_json()).collect());
+        let text = serde_json::to_string_pretty(&v)?;
+        shoal::files::write_atomic(&path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

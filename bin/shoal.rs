@@ -139,6 +139,24 @@ enum BenchCommand {
         #[arg(long)]
         quic: bool,
     },
+    /// A local swarm (separate processes, emulated home links) against its physical bound.
+    Swarm {
+        /// Comma-separated: homogeneous, heterogeneous, compression, churn, real, or all.
+        #[arg(long, default_value = "homogeneous", value_name = "NAME")]
+        scenario: String,
+        /// Seconds measured per setup, after the warm-up.
+        #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+        seconds: f64,
+        /// Seconds of warm-up before measuring.
+        #[arg(long, default_value_t = 8.0, value_name = "SECS")]
+        warmup: f64,
+        /// Microbatches each trainer keeps in flight.
+        #[arg(long, default_value_t = 4, value_name = "N")]
+        concurrency: usize,
+        /// Also write the rows as a JSON array here.
+        #[arg(long, value_name = "PATH")]
+        json: Option<PathBuf>,
+    },
 }
 
 pub(crate) fn parse_codec(s: &str) -> Result<CodecSpec> {
@@ -322,6 +340,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Swarm {
             which: net_cmds::SwarmCommand::Key { out },
         } => net_cmds::swarm_key(out),
+        Command::Bench {
+            which:
+                BenchCommand::Swarm {
+                    scenario,
+                    seconds,
+                    warmup,
+                    concurrency,
+                    json,
+                },
+        } => net_cmds::bench_swarm(&scenario, seconds, warmup, concurrency, json),
         Command::Bench {
             which:
                 BenchCommand::Transfer {

@@ -65,6 +65,33 @@ pub struct StagesConfig {
     /// cuts the blocks as evenly as possible, earlier stages taking the remainder.
     #[serde(default)]
     pub cuts: Vec<usize>,
+    /// `model` (the default): real candle stages. `sim`: a stand-in for benchmarks and
+    /// tests only, which sleeps `sim_ms_per_sample` per sample (a third in forward, two
+    /// thirds in backward) and exchanges tensors of the model's real sizes, so that its
+    /// throughput, and a swarm's bound, is known exactly. `shoal peer` refuses it unless
+    /// given `--allow-sim`.
+    #[serde(default, skip_serializing_if = "StageKind::is_model")]
+    pub kind: StageKind,
+    /// Milliseconds of forward + backward per sample of a `sim` stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sim_ms_per_sample: Option<f64>,
+}
+
+/// What computes a stage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageKind {
+    /// The real model on candle.
+    #[default]
+    Model,
+    /// A timed stand-in (benchmarks and tests only).
+    Sim,
+}
+
+impl StageKind {
+    fn is_model(&self) -> bool {
+        *self == StageKind::Model
+    }
 }
 
 /// AdamW with linear warmup and cosine decay.
@@ -256,6 +283,8 @@ fn d_stages() -> StagesConfig {
     StagesConfig {
         count: 1,
         cuts: Vec::new(),
+        kind: StageKind::Model,
+        sim_ms_per_sample: None,
     }
 }
 fn d_opt() -> OptimizerConfig {
@@ -369,6 +398,21 @@ impl RunConfig {
                     m.n_layers
                 ));
             }
+        }
+        match (s.kind, s.sim_ms_per_sample) {
+            (StageKind::Sim, Some(ms)) if ms.is_finite() && ms > 0.0 && ms <= 10_000.0 => {}
+            (StageKind::Sim, Some(ms)) => {
+                return bad(format!(
+                    "stages.sim_ms_per_sample must be in (0, 10000], got {ms}"
+                ))
+            }
+            (StageKind::Sim, None) => {
+                return bad("stages.kind = \"sim\" needs stages.sim_ms_per_sample".into())
+            }
+            (StageKind::Model, Some(_)) => {
+                return bad("stages.sim_ms_per_sample is only for stages.kind = \"sim\"".into())
+            }
+            (StageKind::Model, None) => {}
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {

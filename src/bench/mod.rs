@@ -1,6 +1,8 @@
-//! Benchmarks that print tables: `shoal bench codec` and `shoal bench transfer`.
+//! Benchmarks that print tables: `shoal bench codec`, `shoal bench transfer` and
+//! `shoal bench swarm`.
 //!
 //! A benchmark measures and reports; it never asserts a speed (tests do not fail on timing).
 
 pub mod codec;
+pub mod swarm;
 pub mod transfer;

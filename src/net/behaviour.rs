@@ -2,11 +2,14 @@
 //!
 //! Transports: TCP (noise, yamux) and QUIC, or in a private swarm TCP wrapped in pnet
 //! before noise (QUIC cannot carry pnet, so it is off), plus the relay client transport in
-//! both cases. Behaviours: Kademlia (`/shoal/kad/1.0.0`, records validated before they are
+//! both cases. With link emulation ([`super::link`]) it is TCP only too, every socket
+//! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/1.0.0`, records validated before they are
 //! stored), identify, ping, AutoNAT, relay client, optional relay server, DCUtR, connection
 //! limits, and libp2p-stream for our own stage and transfer protocols.
 
+use super::link::Shaped;
 use super::{NetConfig, NetError};
+use futures::future::Either;
 use libp2p::core::upgrade::Version;
 use libp2p::core::Transport;
 use libp2p::identity::Keypair;
@@ -107,8 +110,8 @@ pub fn build_swarm(cfg: &NetConfig) -> Result<Swarm<Behaviour>, NetError> {
     let err = |e: &dyn std::fmt::Display| NetError::Transport(e.to_string());
     let idle = cfg.idle_timeout;
     let tcp_cfg = tcp::Config::default().nodelay(true);
-    let swarm = match &cfg.swarm_key {
-        None => SwarmBuilder::with_existing_identity(cfg.identity.clone())
+    let swarm = match (&cfg.swarm_key, &cfg.link) {
+        (None, None) => SwarmBuilder::with_existing_identity(cfg.identity.clone())
             .with_tokio()
             .with_tcp(tcp_cfg, noise::Config::new, yamux::Config::default)
             .map_err(|e| err(&e))?
@@ -119,15 +122,26 @@ pub fn build_swarm(cfg: &NetConfig) -> Result<Swarm<Behaviour>, NetError> {
             .map_err(|e| err(&e))?
             .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
             .build(),
-        Some(psk) => {
-            let psk = *psk;
+        _ => {
+            // TCP only, through the link emulator and then pnet where they are asked for.
+            let psk = cfg.swarm_key;
+            let link = cfg.link;
             SwarmBuilder::with_existing_identity(cfg.identity.clone())
                 .with_tokio()
                 .with_other_transport(|key| {
                     let noise = noise::Config::new(key)?;
                     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
                         tcp::tokio::Transport::new(tcp_cfg)
-                            .and_then(move |socket, _| pnet::PnetConfig::new(psk).handshake(socket))
+                            .map(move |socket, _| Shaped::new(socket, link))
+                            .and_then(move |socket, _| async move {
+                                match psk {
+                                    Some(k) => pnet::PnetConfig::new(k)
+                                        .handshake(socket)
+                                        .await
+                                        .map(Either::Left),
+                                    None => Ok(Either::Right(socket)),
+                                }
+                            })
                             .upgrade(Version::V1)
                             .authenticate(noise)
                             .multiplex(yamux::Config::default())

@@ -10,6 +10,7 @@
 pub mod behaviour;
 pub mod io;
 pub mod keys;
+pub mod link;
 mod task;
 
 use libp2p::identity::Keypair;
@@ -84,6 +85,8 @@ pub struct NetConfig {
     pub max_connections: u32,
     /// Print network events to stderr.
     pub verbose: bool,
+    /// Emulate this access link on every TCP connection (QUIC off); tests and benchmarks.
+    pub link: Option<link::LinkSpec>,
 }
 
 impl NetConfig {
@@ -99,6 +102,7 @@ impl NetConfig {
             idle_timeout: Duration::from_secs(120),
             max_connections: 512,
             verbose: false,
+            link: None,
         }
     }
 }
@@ -156,6 +160,13 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
         if let Some(a) = cfg.listen.iter().find(|a| is_quic(a)) {
             return Err(NetError::Invalid(format!(
                 "{a}: QUIC cannot carry a swarm key; listen on TCP in a private swarm"
+            )));
+        }
+    }
+    if cfg.link.is_some() {
+        if let Some(a) = cfg.listen.iter().find(|a| is_quic(a)) {
+            return Err(NetError::Invalid(format!(
+                "{a}: link emulation shapes TCP only; listen on TCP with --emulate-link"
             )));
         }
     }

@@ -9,6 +9,7 @@
 //! - [`status`]: what `shoal status` prints.
 //! - [`probe`]: one microbatch through the swarm (`shoal probe`).
 //! - [`tensor`]: candle tensors to wire frames.
+//! - [`sim`]: the timed stand-in stage for benchmarks (`stages.kind = "sim"`).
 //!
 //! Not here: routing of microbatches across replicas and gradient averaging (trainer and
 //! averaging layers).
@@ -19,6 +20,7 @@ pub mod registry;
 pub mod replica;
 pub mod select;
 pub mod service;
+pub mod sim;
 pub mod status;
 pub mod tensor;
 

@@ -10,6 +10,7 @@
 
 use crate::config::RunConfig;
 use crate::model::stage::Kept;
+use super::sim::SimCompute;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use candle_core::Tensor;
 use std::collections::{HashSet, VecDeque};
@@ -61,6 +62,7 @@ pub struct Replica {
     samples_dropped: u64,
     params_hash: String,
     history: Vec<(u64, String)>,
+    sim: Option<SimCompute>,
 }
 
 impl std::fmt::Debug for Replica {
@@ -131,7 +133,22 @@ impl Replica {
             samples_dropped: 0,
             history: vec![(0, params_hash.clone())],
             params_hash,
+            sim: SimCompute::of(cfg, 1.0),
         })
+    }
+
+    /// Replaces the timing of a `sim` stage (e.g. slowed down for one peer); no effect on a
+    /// real model.
+    pub fn with_sim(mut self, sim: Option<SimCompute>) -> Self {
+        if self.sim.is_some() {
+            self.sim = sim;
+        }
+        self
+    }
+
+    /// The stand-in's timing, for a `sim` run.
+    pub fn sim(&self) -> Option<&SimCompute> {
+        self.sim.as_ref()
     }
 
     /// The stage.
@@ -197,6 +214,9 @@ impl Replica {
     /// that its backward here needs no recomputation and matches the activations sent on.
     /// `mb` 0 (evaluation) keeps nothing.
     pub fn forward(&mut self, input: &Tensor, mb: u64) -> Result<Tensor, ModelError> {
+        if let Some(sim) = &self.sim {
+            return sim.forward(&self.stage, input);
+        }
         if mb == 0 {
             return self.stage.forward(input);
         }
@@ -226,9 +246,10 @@ impl Replica {
             .kept
             .remove(&mb)
             .filter(|k| k.input_dims() == input.dims());
-        let g = match kept {
-            Some(k) => self.stage.backward_kept(k, upstream)?,
-            None => self.stage.backward(input, upstream)?,
+        let g = match (kept, &self.sim) {
+            (_, Some(sim)) => sim.backward(&self.stage, input, upstream)?,
+            (Some(k), None) => self.stage.backward_kept(k, upstream)?,
+            (None, None) => self.stage.backward(input, upstream)?,
         };
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let fresh = self.acc().admit(mb);

@@ -73,14 +73,20 @@ pub enum DemoError {
     Swarm(String),
 }
 
-struct Proc {
-    name: String,
-    child: Child,
-    lines: mpsc::Receiver<String>,
+/// A child process of this binary, its stdout read line by line.
+pub(crate) struct Proc {
+    pub(crate) name: String,
+    pub(crate) child: Child,
+    pub(crate) lines: mpsc::Receiver<String>,
 }
 
 impl Proc {
-    fn spawn(exe: &Path, dir: &Path, name: &str, args: &[String]) -> Result<Self, DemoError> {
+    pub(crate) fn spawn(
+        exe: &Path,
+        dir: &Path,
+        name: &str,
+        args: &[String],
+    ) -> Result<Self, DemoError> {
         let mut child = Command::new(exe)
             .args(args)
             .current_dir(dir)
@@ -112,7 +118,7 @@ impl Proc {
         })
     }
 
-    fn wait_line(&mut self, needle: &str, timeout: Duration) -> Result<String, DemoError> {
+    pub(crate) fn wait_line(&mut self, needle: &str, timeout: Duration) -> Result<String, DemoError> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             match self.lines.recv_timeout(Duration::from_millis(100)) {
@@ -137,14 +143,19 @@ impl Proc {
         )))
     }
 
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
+        self.stop_within(Duration::from_secs(3));
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub(crate) fn stop_within(&mut self, grace: Duration) {
         #[cfg(unix)]
         {
             // SIGTERM first: a peer withdraws its announcements and exits cleanly.
             let _ = Command::new("kill")
                 .arg(self.child.id().to_string())
                 .status();
-            let deadline = Instant::now() + Duration::from_secs(3);
+            let deadline = Instant::now() + grace;
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = self.child.try_wait() {
                     return;
@@ -177,7 +188,7 @@ pub fn demo_config(stages: usize, steps: u64) -> RunConfig {
     cfg
 }
 
-fn peer_args(run: &str, boot: Option<&str>, stage: &str, key: &str) -> Vec<String> {
+pub(crate) fn peer_args(run: &str, boot: Option<&str>, stage: &str, key: &str) -> Vec<String> {
     let mut a: Vec<String> = [
         "peer",
         "--run",
@@ -390,7 +401,7 @@ async fn run_in(
     })
 }
 
-fn sum(ps: &[Progress]) -> Progress {
+pub(crate) fn sum(ps: &[Progress]) -> Progress {
     let losses: Vec<f64> = ps
         .iter()
         .map(|p| p.loss)

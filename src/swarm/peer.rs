@@ -13,6 +13,7 @@
 //! averaged) and joins the target stage like a new peer, syncing its state from the
 //! replicas there.
 
+use crate::config::StageKind;
 use crate::averaging::sync::{self, SyncError, SyncReport};
 use crate::averaging::{Averager, AveragerConfig, AvgStats};
 use crate::dht::{self, Announcement, Manifest, ManifestError};
@@ -23,6 +24,7 @@ use crate::stage::client::StageClient;
 use crate::stage::registry::{self, RegistryError};
 use crate::stage::replica::Replica;
 use crate::stage::select;
+use crate::stage::sim::SimCompute;
 use crate::stage::service::{measure_throughput, ServiceConfig, StageService};
 use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
@@ -99,6 +101,10 @@ pub struct PeerConfig {
     pub rebalance: Option<Duration>,
     /// How long a leaving replica waits for its in-flight work and accumulated gradients.
     pub drain_timeout: Duration,
+    /// Serve a `sim` run (the benchmark stand-in stage).
+    pub allow_sim: bool,
+    /// A `sim` stage's time per sample is multiplied by this (benchmarks of uneven swarms).
+    pub sim_slowdown: f64,
 }
 
 impl PeerConfig {
@@ -125,6 +131,8 @@ impl PeerConfig {
             throughput: None,
             rebalance: None,
             drain_timeout: Duration::from_secs(10),
+            allow_sim: false,
+            sim_slowdown: 1.0,
         }
     }
 }
@@ -270,6 +278,15 @@ impl Peer {
         };
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
         log(format!("run {}", manifest.id));
+        if manifest.config.stages.kind == StageKind::Sim
+            && cfg.stage != StageChoice::None
+            && !cfg.allow_sim
+        {
+            return Err(PeerError::Invalid(format!(
+                "run {} uses the `sim` stand-in stage, which is for benchmarks only; pass --allow-sim to serve it",
+                manifest.id
+            )));
+        }
         let count = manifest.config.stages.count;
         let ctx = Arc::new(Ctx {
             net: net.clone(),
@@ -504,9 +521,11 @@ impl Ctx {
         let count = manifest.config.stages.count;
         let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
         let m = &manifest.config.model;
-        let samples_per_s = match cfg.throughput {
-            Some(t) => t,
-            None => measure_throughput(
+        let sim = SimCompute::of(&manifest.config, cfg.sim_slowdown);
+        let samples_per_s = match (cfg.throughput, &sim) {
+            (Some(t), _) => t,
+            (None, Some(sim)) => sim.samples_per_s(),
+            (None, None) => measure_throughput(
                 &stage,
                 manifest.config.training.batch_size,
                 m.seq_len,
@@ -515,7 +534,7 @@ impl Ctx {
                 cfg.bench_budget,
             )?,
         };
-        let mut replica = Replica::new(&manifest.config, stage)?;
+        let mut replica = Replica::new(&manifest.config, stage)?.with_sim(sim);
         let client = StageClient::new(
             self.net.clone(),
             manifest.id.clone(),
