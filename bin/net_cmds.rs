@@ -119,6 +119,10 @@ pub struct SwarmTrainArgs {
     /// Milliseconds between progress lines.
     #[arg(long, default_value_t = 2000, value_name = "MS", hide = true)]
     report_ms: u64,
+    /// Do not wait, after a microbatch, for the step it joined to be applied (more
+    /// throughput, gradients up to one step stale).
+    #[arg(long)]
+    no_sync_steps: bool,
 }
 
 #[derive(Args)]
@@ -365,6 +369,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     cfg.trainers = a.trainers;
     cfg.trainer.concurrency = a.concurrency;
     cfg.trainer.index = a.data_index;
+    cfg.trainer.sync_steps = !a.no_sync_steps;
     let report_ms = a.report_ms.max(50);
     let rt = runtime()?;
     rt.block_on(async move {
@@ -622,7 +627,12 @@ pub fn bench_swarm(
     }
     let mut rows = Vec::new();
     for s in &setups {
-        println!("running {} ({} replicas, {} trainers)", s.label, s.replicas.len(), s.trainers.len());
+        println!(
+            "running {} ({} replicas, {} trainers)",
+            s.label,
+            s.replicas.len(),
+            s.trainers.len()
+        );
         let row = bs::run_setup(s, &opts, &|l| println!("{l}"))?;
         println!("{}", bs::HEADER);
         println!("{}", row.line());

@@ -22,7 +22,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The scenarios `--scenario` knows.
-pub const SCENARIOS: &[&str] = &["homogeneous", "heterogeneous", "compression", "churn", "real"];
+pub const SCENARIOS: &[&str] = &[
+    "homogeneous",
+    "heterogeneous",
+    "compression",
+    "churn",
+    "real",
+];
 
 /// One replica of a scenario.
 #[derive(Debug, Clone)]
@@ -149,9 +155,14 @@ pub fn sim_run(codec: CodecSpec) -> RunConfig {
     cfg.stages.sim_ms_per_sample = Some(4.0);
     cfg.codecs.activations = codec;
     cfg.training.steps = 1_000_000;
-    cfg.training.target_batch_size = Some(32);
+    cfg.training.target_batch_size = Some(SIM_TARGET_BATCH);
     cfg
 }
+
+/// Samples per optimizer step in the benchmark runs: large enough that the microbatches
+/// in flight across the links (and the one step of staleness allowed) do not wait on
+/// averaging rounds.
+pub const SIM_TARGET_BATCH: usize = 512;
 
 /// The setups of a scenario.
 pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
@@ -204,7 +215,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
             run.stages.count = 4;
             run.stages.cuts.clear();
             run.training.steps = 1_000_000;
-            run.training.target_batch_size = Some(32);
+            run.training.target_batch_size = Some(SIM_TARGET_BATCH);
             s.run = run;
             vec![s]
         }
@@ -292,6 +303,7 @@ fn trainer_args(id: &str, boot: &str, link: &LinkSpec, idx: usize, conc: usize) 
         &(idx as u64 * 1000).to_string(),
         "--report-ms",
         "250",
+        "--no-sync-steps",
         "--emulate-link",
         &link_arg(link),
     ]
@@ -347,7 +359,11 @@ fn drain(trainers: &mut [Proc], last: &mut [Progress]) {
 }
 
 /// Runs one setup; `out` receives progress lines.
-pub fn run_setup(setup: &Setup, opts: &BenchOptions, out: &dyn Fn(String)) -> Result<Row, DemoError> {
+pub fn run_setup(
+    setup: &Setup,
+    opts: &BenchOptions,
+    out: &dyn Fn(String),
+) -> Result<Row, DemoError> {
     let dir = std::env::temp_dir().join(format!(
         "shoal-bench-{}-{}",
         std::process::id(),
@@ -359,19 +375,35 @@ pub fn run_setup(setup: &Setup, opts: &BenchOptions, out: &dyn Fn(String)) -> Re
     r
 }
 
-fn run_in(setup: &Setup, opts: &BenchOptions, dir: &Path, out: &dyn Fn(String)) -> Result<Row, DemoError> {
+fn run_in(
+    setup: &Setup,
+    opts: &BenchOptions,
+    dir: &Path,
+    out: &dyn Fn(String),
+) -> Result<Row, DemoError> {
     let err = |e: &dyn std::fmt::Display| DemoError::Process(e.to_string());
     let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
-    let mut boot = Proc::spawn(exe, dir, "bootstrap", &peer_args("run.toml", None, "none", "boot.key"))?;
+    let mut boot = Proc::spawn(
+        exe,
+        dir,
+        "bootstrap",
+        &peer_args("run.toml", None, "none", "boot.key"),
+    )?;
     let line = boot.wait_line("listening on /ip4/127.0.0.1/tcp/", Duration::from_secs(20))?;
     let baddr = line.trim_start_matches("listening on ").to_string();
     let mut peers: Vec<(usize, Proc)> = Vec::new();
     let mut compute = Vec::new();
     for (i, r) in setup.replicas.iter().enumerate() {
         let name = format!("stage{}-replica{i}", r.stage);
-        let args = replica_args(&m.id, &baddr, r, &format!("{name}.key"), &r.stage.to_string());
+        let args = replica_args(
+            &m.id,
+            &baddr,
+            r,
+            &format!("{name}.key"),
+            &r.stage.to_string(),
+        );
         let mut p = Proc::spawn(exe, dir, &name, &args)?;
         let l = p.wait_line("samples/s", Duration::from_secs(60))?;
         compute.push(announced_throughput(&l).unwrap_or(0.0));
@@ -404,7 +436,10 @@ fn run_in(setup: &Setup, opts: &BenchOptions, dir: &Path, out: &dyn Fn(String)) 
             if now >= k {
                 next_kill = Some(now + period);
                 // The oldest replica of stage 1 dies; a fresh peer joins where it is weakest.
-                if let Some(pos) = peers.iter().position(|(i, _)| setup.replicas.get(*i).map(|r| r.stage) == Some(1)) {
+                if let Some(pos) = peers
+                    .iter()
+                    .position(|(i, _)| setup.replicas.get(*i).map(|r| r.stage) == Some(1))
+                {
                     let (i, mut victim) = peers.remove(pos);
                     let _ = victim.child.kill();
                     let _ = victim.child.wait();
@@ -446,9 +481,12 @@ fn run_in(setup: &Setup, opts: &BenchOptions, dir: &Path, out: &dyn Fn(String)) 
     // Stop the trainers gracefully (SIGTERM): in-flight microbatches finish, and the last
     // line gives the final accounting.
     for t in trainers.iter_mut() {
-        t.stop_within(Duration::from_secs(15));
+        t.terminate();
     }
-    std::thread::sleep(Duration::from_millis(200));
+    for t in trainers.iter_mut() {
+        t.stop_within(Duration::from_secs(30));
+    }
+    std::thread::sleep(Duration::from_millis(300));
     drain(&mut trainers, &mut last);
     let end_p = sum(&last);
     for (_, mut p) in peers {
@@ -463,7 +501,11 @@ fn run_in(setup: &Setup, opts: &BenchOptions, dir: &Path, out: &dyn Fn(String)) 
         efficiency: if b > 0.0 { samples_per_s / b } else { 0.0 },
         bytes_per_sample,
         bottleneck: what,
-        utilisation: if slowest > 0.0 { samples_per_s / slowest } else { 0.0 },
+        utilisation: if slowest > 0.0 {
+            samples_per_s / slowest
+        } else {
+            0.0
+        },
         fed: end_p.fed,
         completed: end_p.completed,
         failed: end_p.failed,

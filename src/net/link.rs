@@ -348,16 +348,21 @@ mod tests {
         assert_eq!(l.up, Some(1000.0));
         assert_eq!(l.down, Some(1.25e8));
         assert_eq!(l.rtt, Duration::ZERO);
-        for bad in ["", "bw=100", "bw=-1mbit", "rtt=5", "rtt=100s", "speed=1mbit", "bw"] {
+        for bad in [
+            "",
+            "bw=100",
+            "bw=-1mbit",
+            "rtt=5",
+            "rtt=100s",
+            "speed=1mbit",
+            "bw",
+        ] {
             let e = LinkSpec::parse(bad).unwrap_err().to_string();
             assert!(e.contains("bad link spec"), "{bad}: {e}");
         }
     }
 
-    async fn pair() -> (
-        libp2p::tcp::tokio::TcpStream,
-        libp2p::tcp::tokio::TcpStream,
-    ) {
+    async fn pair() -> (libp2p::tcp::tokio::TcpStream, libp2p::tcp::tokio::TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (c, s) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
@@ -398,7 +403,10 @@ mod tests {
         let link = LinkSpec::parse("down=8mbit,rtt=200ms").unwrap();
         let (first, all, _) = transfer(a, Shaped::new(b, Some(link)), 500_000).await;
         // Lower bounds only: a slow machine can only make these longer.
-        assert!(first >= Duration::from_millis(95), "first byte after {first:?}");
+        assert!(
+            first >= Duration::from_millis(95),
+            "first byte after {first:?}"
+        );
         // 500 kB at 1 MB/s, less the initial burst, plus the delay.
         assert!(all >= Duration::from_millis(550), "500 kB took {all:?}");
         assert!(all < Duration::from_secs(10), "500 kB took {all:?}");
@@ -410,7 +418,10 @@ mod tests {
         let link = LinkSpec::parse("up=16mbit").unwrap();
         let (first, all, _) = transfer(Shaped::new(a, Some(link)), b, 1_000_000).await;
         assert!(first < Duration::from_secs(5));
-        assert!(all >= Duration::from_millis(450), "1 MB at 2 MB/s took {all:?}");
+        assert!(
+            all >= Duration::from_millis(450),
+            "1 MB at 2 MB/s took {all:?}"
+        );
     }
 
     #[tokio::test]

@@ -8,9 +8,9 @@
 //! `params_step` until the averager freezes that step's sum for its round; from then on
 //! they accumulate toward `params_step + 1` (a gradient is at most one step stale).
 
+use super::sim::SimCompute;
 use crate::config::RunConfig;
 use crate::model::stage::Kept;
-use super::sim::SimCompute;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use candle_core::Tensor;
 use std::collections::{HashSet, VecDeque};

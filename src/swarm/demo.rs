@@ -118,7 +118,11 @@ impl Proc {
         })
     }
 
-    pub(crate) fn wait_line(&mut self, needle: &str, timeout: Duration) -> Result<String, DemoError> {
+    pub(crate) fn wait_line(
+        &mut self,
+        needle: &str,
+        timeout: Duration,
+    ) -> Result<String, DemoError> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             match self.lines.recv_timeout(Duration::from_millis(100)) {
@@ -147,14 +151,22 @@ impl Proc {
         self.stop_within(Duration::from_secs(3));
     }
 
+    /// Sends SIGTERM (Unix) without waiting.
+    pub(crate) fn terminate(&mut self) {
+        #[cfg(unix)]
+        {
+            let _ = Command::new("kill")
+                .arg(self.child.id().to_string())
+                .status();
+        }
+    }
+
     /// SIGTERM, then SIGKILL if it has not exited within `grace`.
     pub(crate) fn stop_within(&mut self, grace: Duration) {
         #[cfg(unix)]
         {
             // SIGTERM first: a peer withdraws its announcements and exits cleanly.
-            let _ = Command::new("kill")
-                .arg(self.child.id().to_string())
-                .status();
+            self.terminate();
             let deadline = Instant::now() + grace;
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = self.child.try_wait() {

@@ -13,9 +13,9 @@
 //! averaged) and joins the target stage like a new peer, syncing its state from the
 //! replicas there.
 
-use crate::config::StageKind;
 use crate::averaging::sync::{self, SyncError, SyncReport};
 use crate::averaging::{Averager, AveragerConfig, AvgStats};
+use crate::config::StageKind;
 use crate::dht::{self, Announcement, Manifest, ManifestError};
 use crate::model::{ModelError, Stage};
 use crate::net::{self, NetConfig, NetError, NetHandle};
@@ -24,8 +24,8 @@ use crate::stage::client::StageClient;
 use crate::stage::registry::{self, RegistryError};
 use crate::stage::replica::Replica;
 use crate::stage::select;
-use crate::stage::sim::SimCompute;
 use crate::stage::service::{measure_throughput, ServiceConfig, StageService};
+use crate::stage::sim::SimCompute;
 use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
 use libp2p::{Multiaddr, PeerId};
