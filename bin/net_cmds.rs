@@ -123,6 +123,10 @@ pub struct SwarmTrainArgs {
     /// throughput, gradients up to one step stale).
     #[arg(long)]
     no_sync_steps: bool,
+    /// How replicas are picked: `wiring` (stochastic, by expected finish time) or
+    /// `round-robin` (a blind baseline for benchmarks).
+    #[arg(long, default_value = "wiring", value_name = "HOW", hide = true)]
+    routing: String,
 }
 
 #[derive(Args)]
@@ -326,7 +330,11 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
             }
         }
         println!("stopping: finishing in-flight work, withdrawing announcements");
+        let service = peer.service();
         peer.stop().await?;
+        if let Some(s) = service {
+            println!("stage {} {}", s.stage(), s.counters().line());
+        }
         println!("stopped");
         Ok::<_, anyhow::Error>(())
     })?;
@@ -370,6 +378,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     cfg.trainer.concurrency = a.concurrency;
     cfg.trainer.index = a.data_index;
     cfg.trainer.sync_steps = !a.no_sync_steps;
+    cfg.trainer.routing = a.routing.parse().map_err(anyhow::Error::msg)?;
     let report_ms = a.report_ms.max(50);
     let rt = runtime()?;
     rt.block_on(async move {
@@ -636,6 +645,9 @@ pub fn bench_swarm(
         let row = bs::run_setup(s, &opts, &|l| println!("{l}"))?;
         println!("{}", bs::HEADER);
         println!("{}", row.line());
+        if let Some(t) = row.stages.get(row.focus) {
+            println!("  stage {} ({}) {}", row.focus, row.bottleneck, t.line());
+        }
         rows.push(row);
     }
     println!();

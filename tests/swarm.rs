@@ -197,8 +197,16 @@ fn check_accounting(
             .collect();
         let applied = reps.iter().map(|r| r.samples_applied).max().unwrap_or(0);
         let recorded = reps.iter().map(|r| r.samples_lost).max().unwrap_or(0);
+        // Replicas that migrated away took their records with them.
+        let gone: Vec<_> = peers
+            .iter()
+            .flat_map(|p| p.departed())
+            .filter(|(s, _)| *s == stage)
+            .map(|(_, st)| st)
+            .collect();
+        // (What a leaving replica still held it reported, and the stage counts it as lost.)
         let pending: u64 = reps.iter().map(|r| r.accum_count + r.frozen_count).sum();
-        let dropped: u64 = reps.iter().map(|r| r.samples_dropped).sum();
+        let dropped: u64 = reps.iter().chain(&gone).map(|r| r.samples_dropped).sum();
         match killed {
             Some((s, held)) if s == stage => {
                 // What the killed replica held is lost, except microbatches whose answer

@@ -120,6 +120,7 @@ type Key = (u64, u32);
 pub struct Averager {
     task: tokio::task::JoinHandle<()>,
     stats: Arc<AvgStats>,
+    leave: tokio::sync::watch::Sender<bool>,
 }
 
 impl Drop for Averager {
@@ -160,9 +161,18 @@ impl Averager {
             started: Instant::now(),
             stats: Arc::clone(&stats),
             rng: Rng::new(seed),
+            left: false,
+            left_lost: 0,
         };
-        let task = tokio::spawn(st.run(rx));
-        Self { task, stats }
+        let (leave, leave_rx) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(st.run(rx, leave_rx));
+        Self { task, stats, leave }
+    }
+
+    /// Tells the stage's other replicas that this one leaves (they forget it at once
+    /// instead of waiting for its progress to go stale), and stops taking part in rounds.
+    pub fn leave(&self) {
+        let _ = self.leave.send(true);
     }
 
     /// The averager's counters.
@@ -172,6 +182,10 @@ impl Averager {
 }
 
 struct State {
+    /// This replica announced that it leaves.
+    left: bool,
+    /// Samples replicas said they held when they left, to count as lost in the next round.
+    left_lost: u64,
     me: PeerId,
     stage: usize,
     n: usize,
@@ -193,14 +207,19 @@ struct State {
 }
 
 impl State {
-    async fn run(mut self, mut rx: mpsc::Receiver<Inbound>) {
+    async fn run(
+        mut self,
+        mut rx: mpsc::Receiver<Inbound>,
+        mut leave: tokio::sync::watch::Receiver<bool>,
+    ) {
         let progress = self.service.progress();
         let (mtx, mut mrx) = mpsc::channel::<Vec<(PeerId, Vec<Multiaddr>)>>(1);
         let mut next_membership = Instant::now();
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
-                    Some(m) => self.on_message(m.from, m.msg, m.frames).await,
+                    Some(m) if !self.left => self.on_message(m.from, m.msg, m.frames).await,
+                    Some(_) => {}
                     None => return,
                 },
                 Some(peers) = mrx.recv() => {
@@ -214,7 +233,25 @@ impl State {
                     }
                 }
                 _ = progress.notified() => {}
+                Ok(()) = leave.changed() => {
+                    if *leave.borrow() && !self.left {
+                        self.left = true;
+                        let st = self.status();
+                        let msg = AvgMsg::Leave {
+                            pending: st.accum_count + st.frozen_count,
+                        };
+                        let mut targets: Vec<PeerId> = self.known.clone();
+                        targets.extend(self.views.keys().filter(|p| !self.known.contains(p)));
+                        for p in targets {
+                            self.send(p, msg.clone(), None);
+                        }
+                    }
+                }
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            if self.left {
+                // Gone from the stage: answer nothing, start nothing.
+                continue;
             }
             if Instant::now() >= next_membership {
                 next_membership = Instant::now() + self.cfg.membership_every;
@@ -442,7 +479,7 @@ impl State {
             .filter(|(_, v)| v.at.elapsed() >= self.cfg.live_timeout && v.params_step <= s)
             .map(|(p, _)| *p)
             .collect();
-        let mut lost = 0;
+        let mut lost = std::mem::take(&mut self.left_lost);
         for p in dead {
             if let Some(v) = self.views.remove(&p) {
                 lost += v.count + v.frozen;
@@ -534,6 +571,11 @@ impl State {
 
     async fn on_message(&mut self, from: PeerId, msg: AvgMsg, frames: Vec<Vec<u8>>) {
         match msg {
+            AvgMsg::Leave { pending } => {
+                self.views.remove(&from);
+                self.known.retain(|k| *k != from);
+                self.left_lost += pending;
+            }
             AvgMsg::Progress {
                 params_step,
                 accum_step,
@@ -563,6 +605,8 @@ impl State {
                 quotas,
                 lost,
             } => {
+                // The leader counted the samples of replicas that left; do not again.
+                self.left_lost = 0;
                 let members: Vec<PeerId> = members.iter().filter_map(|m| m.parse().ok()).collect();
                 if members.len() == quotas.len() {
                     self.on_members(step, attempt, members, quotas, lost).await;

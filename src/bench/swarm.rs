@@ -56,6 +56,8 @@ pub struct Setup {
     pub concurrency: usize,
     /// SIGKILL a replica this often and start a fresh peer.
     pub churn: Option<Duration>,
+    /// The trainers' `--routing`.
+    pub routing: &'static str,
 }
 
 /// What one setup measured.
@@ -85,6 +87,98 @@ pub struct Row {
     pub vanished: i64,
     /// Replicas killed (churn).
     pub killed: usize,
+    /// Per stage, the replicas' counters summed (from the lines they print on stop).
+    pub stages: Vec<StageTimes>,
+    /// The stage whose breakdown explains the row (the bottleneck, or the slowest).
+    pub focus: usize,
+}
+
+/// Where a stage's replicas spent their time, summed over replicas.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StageTimes {
+    /// Forward and backward jobs run.
+    pub jobs: f64,
+    /// Milliseconds computing.
+    pub compute_ms: f64,
+    /// Milliseconds jobs waited in the queue.
+    pub queue_ms: f64,
+    /// Milliseconds reading requests (waiting for the caller's bytes included).
+    pub read_ms: f64,
+    /// Milliseconds writing answers.
+    pub write_ms: f64,
+    /// Milliseconds decoding and encoding tensors.
+    pub codec_ms: f64,
+    /// Frame MB in and out of forward/backward calls.
+    pub in_mb: f64,
+    /// See `in_mb`.
+    pub out_mb: f64,
+}
+
+impl StageTimes {
+    /// Parses `stage S replica counters: jobs N compute_ms X ...` into (S, times).
+    pub fn parse(line: &str) -> Option<(usize, Self)> {
+        let rest = line.trim().strip_prefix("stage ")?;
+        let (stage, rest) = rest.split_once(' ')?;
+        let rest = rest.strip_prefix("replica counters:")?;
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        let get = |k: &str| -> Option<f64> {
+            let i = words.iter().position(|w| *w == k)?;
+            words.get(i + 1)?.parse().ok()
+        };
+        Some((
+            stage.parse().ok()?,
+            Self {
+                jobs: get("jobs")?,
+                compute_ms: get("compute_ms")?,
+                queue_ms: get("queue_ms")?,
+                read_ms: get("read_ms")?,
+                write_ms: get("write_ms")?,
+                codec_ms: get("decode_ms")? + get("encode_ms")?,
+                in_mb: get("stage_in_mb")?,
+                out_mb: get("stage_out_mb")?,
+            },
+        ))
+    }
+
+    fn add(&mut self, o: &Self) {
+        self.jobs += o.jobs;
+        self.compute_ms += o.compute_ms;
+        self.queue_ms += o.queue_ms;
+        self.read_ms += o.read_ms;
+        self.write_ms += o.write_ms;
+        self.codec_ms += o.codec_ms;
+        self.in_mb += o.in_mb;
+        self.out_mb += o.out_mb;
+    }
+
+    /// Per job: compute, queue wait, network read and write, codec, in ms.
+    pub fn line(&self) -> String {
+        let j = self.jobs.max(1.0);
+        format!(
+            "per job: compute {:.1} ms, queue wait {:.1} ms, reading the request {:.1} ms, writing the answer {:.1} ms, encode+decode {:.2} ms; {:.0} jobs, {:.1} MB in, {:.1} MB out",
+            self.compute_ms / j,
+            self.queue_ms / j,
+            self.read_ms / j,
+            self.write_ms / j,
+            self.codec_ms / j,
+            self.jobs,
+            self.in_mb,
+            self.out_mb
+        )
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "jobs": self.jobs,
+            "compute_ms": self.compute_ms,
+            "queue_ms": self.queue_ms,
+            "read_ms": self.read_ms,
+            "write_ms": self.write_ms,
+            "codec_ms": self.codec_ms,
+            "in_mb": self.in_mb,
+            "out_mb": self.out_mb,
+        })
+    }
 }
 
 impl Row {
@@ -103,6 +197,8 @@ impl Row {
             "failed": self.failed,
             "vanished": self.vanished,
             "killed": self.killed,
+            "focus_stage": self.focus,
+            "stages": self.stages.iter().map(|t| t.to_json()).collect::<Vec<_>>(),
         })
     }
 }
@@ -181,6 +277,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
         trainers: vec![home; 2],
         concurrency: opts.concurrency,
         churn: None,
+        routing: "wiring",
     };
     Some(match name {
         "homogeneous" => vec![homogeneous("homogeneous", int8z)],
@@ -190,7 +287,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
             .map(|(c, spec)| homogeneous(&format!("compression/{c}"), spec))
             .collect(),
         "heterogeneous" => {
-            let mut s = homogeneous("heterogeneous", int8z);
+            let mut s = homogeneous("heterogeneous/wiring", int8z);
             // Replicas of stage 1 differ 4x in speed; links alternate 25 and 200 Mbit/s.
             for (i, r) in s.replicas.iter_mut().enumerate() {
                 r.link = if i % 2 == 0 {
@@ -202,7 +299,10 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
                     r.slowdown = 4.0;
                 }
             }
-            vec![s]
+            let mut fixed = s.clone();
+            fixed.label = "heterogeneous/round-robin".into();
+            fixed.routing = "round-robin";
+            vec![s, fixed]
         }
         "churn" => {
             let mut s = homogeneous("churn", int8z);
@@ -288,7 +388,8 @@ pub fn bound(setup: &Setup, compute: &[f64], ratio: f64) -> (f64, String, f64) {
     (best.0, best.1, slowest_compute)
 }
 
-fn trainer_args(id: &str, boot: &str, link: &LinkSpec, idx: usize, conc: usize) -> Vec<String> {
+fn trainer_args(setup: &Setup, id: &str, boot: &str, link: &LinkSpec, idx: usize) -> Vec<String> {
+    let conc = setup.concurrency;
     [
         "train",
         "--run",
@@ -304,6 +405,8 @@ fn trainer_args(id: &str, boot: &str, link: &LinkSpec, idx: usize, conc: usize) 
         "--report-ms",
         "250",
         "--no-sync-steps",
+        "--routing",
+        setup.routing,
         "--emulate-link",
         &link_arg(link),
     ]
@@ -414,7 +517,7 @@ fn run_in(
     }
     let mut trainers = Vec::new();
     for (t, l) in setup.trainers.iter().enumerate() {
-        let args = trainer_args(&m.id, &baddr, l, t, setup.concurrency);
+        let args = trainer_args(setup, &m.id, &baddr, l, t);
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
     }
     let mut last = vec![Progress::default(); trainers.len()];
@@ -489,11 +592,33 @@ fn run_in(
     std::thread::sleep(Duration::from_millis(300));
     drain(&mut trainers, &mut last);
     let end_p = sum(&last);
+    for (_, p) in peers.iter_mut() {
+        p.terminate();
+    }
+    let mut stages = vec![StageTimes::default(); setup.run.stages.count];
     for (_, mut p) in peers {
-        p.stop();
+        p.stop_within(Duration::from_secs(15));
+        std::thread::sleep(Duration::from_millis(50));
+        while let Ok(l) = p.lines.try_recv() {
+            if let Some((s, t)) = StageTimes::parse(&l) {
+                if let Some(acc) = stages.get_mut(s) {
+                    acc.add(&t);
+                }
+            }
+        }
     }
     boot.stop();
     let (b, what, slowest) = bound(setup, &compute, ratio);
+    let focus = what
+        .strip_prefix("stage ")
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| {
+            // The trainers bind: explain the stage that waits longest on the network.
+            (0..stages.len())
+                .max_by(|&a, &b| stages[a].read_ms.total_cmp(&stages[b].read_ms))
+                .unwrap_or(0)
+        });
     Ok(Row {
         scenario: setup.label.clone(),
         samples_per_s,
@@ -511,6 +636,8 @@ fn run_in(
         failed: end_p.failed,
         vanished: end_p.fed as i64 - end_p.completed as i64 - end_p.failed as i64,
         killed,
+        stages,
+        focus,
     })
 }
 
@@ -567,5 +694,13 @@ mod tests {
             announced_throughput("serving stage 1 of 4 on cpu: 250.0 samples/s"),
             Some(250.0)
         );
+        let (s, t) = StageTimes::parse("stage 2 replica counters: jobs 10 compute_ms 200.0 queue_ms 50.0 read_ms 30.0 write_ms 5.0 decode_ms 1.0 encode_ms 2.0 stage_in_mb 1.50 stage_out_mb 0.75 avg_in_mb 0.10 state_out_mb 0.00 refused 0 dropped 0").unwrap();
+        assert_eq!(s, 2);
+        assert_eq!(
+            (t.jobs, t.compute_ms, t.codec_ms, t.in_mb),
+            (10.0, 200.0, 3.0, 1.5)
+        );
+        assert!(t.line().contains("compute 20.0 ms"));
+        assert!(StageTimes::parse("stage x replica counters: jobs 1").is_none());
     }
 }

@@ -63,8 +63,54 @@ pub struct Counters {
     pub dropped: AtomicU64,
     /// Samples whose backward was applied to the accumulator.
     pub samples_accumulated: AtomicU64,
-    /// Microseconds spent computing.
+    /// Microseconds spent computing (decode and encode not included).
     pub compute_us: AtomicU64,
+    /// Forward and backward jobs run.
+    pub jobs: AtomicU64,
+    /// Microseconds jobs waited in the queue before compute.
+    pub queue_us: AtomicU64,
+    /// Microseconds spent reading requests off the network (waiting for the caller's
+    /// bytes included: on a slow link this is where the time goes).
+    pub read_us: AtomicU64,
+    /// Microseconds spent writing answers.
+    pub write_us: AtomicU64,
+    /// Microseconds decoding tensors.
+    pub decode_us: AtomicU64,
+    /// Microseconds encoding tensors.
+    pub encode_us: AtomicU64,
+    /// Frame bytes in and out of forward and backward calls.
+    pub stage_in: AtomicU64,
+    /// See `stage_in`.
+    pub stage_out: AtomicU64,
+    /// Frame bytes of averaging messages received.
+    pub avg_in: AtomicU64,
+    /// Frame bytes of state chunks sent to joiners.
+    pub state_out: AtomicU64,
+}
+
+impl Counters {
+    /// One line for logs and `shoal bench`: `replica counters: jobs N compute_ms X ...`.
+    pub fn line(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let ms = |a: &AtomicU64| g(a) as f64 / 1e3;
+        let mb = |a: &AtomicU64| g(a) as f64 / 1e6;
+        format!(
+            "replica counters: jobs {} compute_ms {:.1} queue_ms {:.1} read_ms {:.1} write_ms {:.1} decode_ms {:.1} encode_ms {:.1} stage_in_mb {:.2} stage_out_mb {:.2} avg_in_mb {:.2} state_out_mb {:.2} refused {} dropped {}",
+            g(&self.jobs),
+            ms(&self.compute_us),
+            ms(&self.queue_us),
+            ms(&self.read_us),
+            ms(&self.write_us),
+            ms(&self.decode_us),
+            ms(&self.encode_us),
+            mb(&self.stage_in),
+            mb(&self.stage_out),
+            mb(&self.avg_in),
+            mb(&self.state_out),
+            g(&self.refused),
+            g(&self.dropped),
+        )
+    }
 }
 
 /// What a replica reports about its training state (cached for the async side).
@@ -154,6 +200,7 @@ struct Job {
     req: Request,
     frames: Vec<Vec<u8>>,
     reply: oneshot::Sender<Reply>,
+    queued_at: Instant,
 }
 
 struct Reply {
@@ -249,9 +296,10 @@ impl StageService {
         })
     }
 
-    /// Starts leaving: forward passes and `info` calls are refused from now on (callers
-    /// swap in another replica), while backward passes of microbatches already forwarded
-    /// here, averaging and state downloads are still served.
+    /// Starts leaving: forward and backward passes and `info` calls are refused from now
+    /// on (trainers swap in another replica, which recomputes the forward from the input
+    /// they kept), while queued jobs finish and averaging and state downloads are still
+    /// served, so what this replica accumulated can still be averaged.
     pub fn drain(&self) {
         self.shared.draining.store(true, Ordering::Relaxed);
     }
@@ -401,11 +449,16 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
         respond(&mut stream, &r).await;
         return;
     };
+    let t_read = Instant::now();
     let read = tokio::time::timeout(
         shared.cfg.read_timeout,
         read_request(&mut stream, &shared.cfg.limits),
     )
     .await;
+    shared
+        .counters
+        .read_us
+        .fetch_add(t_read.elapsed().as_micros() as u64, Ordering::Relaxed);
     let (req, frames) = match read {
         Err(_) => {
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
@@ -432,8 +485,10 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
         respond(&mut stream, &r).await;
         return;
     }
+    let op = req.op;
+    let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
     let draining = shared.draining.load(Ordering::Relaxed);
-    if draining && matches!(req.op, Op::Info | Op::Forward) {
+    if draining && matches!(req.op, Op::Info | Op::Forward | Op::Backward) {
         let r = refusal(
             &shared,
             ErrorKind::Overloaded,
@@ -457,7 +512,25 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
         Op::StateChunk => state_chunk(&shared, &req).await,
         Op::Forward | Op::Backward => queue_job(&shared, req, frames).await,
     };
+    let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
+    let c = &shared.counters;
+    match op {
+        Op::Forward | Op::Backward => {
+            c.stage_in.fetch_add(in_bytes, Ordering::Relaxed);
+            c.stage_out.fetch_add(out_bytes, Ordering::Relaxed);
+        }
+        Op::Avg => {
+            c.avg_in.fetch_add(in_bytes, Ordering::Relaxed);
+        }
+        Op::StateChunk => {
+            c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
+        }
+        Op::Info | Op::StateInfo => {}
+    }
+    let t_write = Instant::now();
     respond(&mut stream, &reply).await;
+    c.write_us
+        .fetch_add(t_write.elapsed().as_micros() as u64, Ordering::Relaxed);
 }
 
 async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {
@@ -471,6 +544,7 @@ async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> 
             req,
             frames,
             reply: tx,
+            queued_at: Instant::now(),
         })
         .is_err()
     {
@@ -676,14 +750,19 @@ impl Worker {
     }
 
     fn run(self, mut rx: mpsc::Receiver<Job>) {
+        let c = &self.shared.counters;
+        let codec_us = || c.decode_us.load(Ordering::Relaxed) + c.encode_us.load(Ordering::Relaxed);
         while let Some(job) = rx.blocking_recv() {
             let t0 = Instant::now();
+            c.queue_us.fetch_add(
+                t0.saturating_duration_since(job.queued_at).as_micros() as u64,
+                Ordering::Relaxed,
+            );
+            c.jobs.fetch_add(1, Ordering::Relaxed);
+            let before = codec_us();
             let result = self.process(&job.req, &job.frames);
-            let us = t0.elapsed().as_micros() as u64;
-            self.shared
-                .counters
-                .compute_us
-                .fetch_add(us, Ordering::Relaxed);
+            let us = (t0.elapsed().as_micros() as u64).saturating_sub(codec_us() - before);
+            c.compute_us.fetch_add(us, Ordering::Relaxed);
             self.shared.queue.fetch_sub(1, Ordering::Relaxed);
             let reply = match result {
                 Ok(r) => {
@@ -698,8 +777,13 @@ impl Worker {
 
     fn input(&self, r: &Replica, bytes: &[u8], what: &str) -> Result<Tensor, Fail> {
         let stage = r.stage();
-        let d = tensor::decode(bytes, &self.shared.cfg.limits, stage.device())
-            .map_err(|e| Fail::Refuse(ErrorKind::BadTensor, format!("{what}: {e}")))?;
+        let t0 = Instant::now();
+        let d = tensor::decode(bytes, &self.shared.cfg.limits, stage.device());
+        self.shared
+            .counters
+            .decode_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let d = d.map_err(|e| Fail::Refuse(ErrorKind::BadTensor, format!("{what}: {e}")))?;
         if !d.finite {
             return Err(Fail::Refuse(
                 ErrorKind::NonFinite,
@@ -715,7 +799,13 @@ impl Worker {
     }
 
     fn encode(&self, t: &Tensor) -> Result<Vec<u8>, Fail> {
-        tensor::encode(t, &self.codec).map_err(|e| Fail::Refuse(ErrorKind::Internal, e.to_string()))
+        let t0 = Instant::now();
+        let r = tensor::encode(t, &self.codec);
+        self.shared
+            .counters
+            .encode_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        r.map_err(|e| Fail::Refuse(ErrorKind::Internal, e.to_string()))
     }
 
     fn process(&self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {

@@ -189,6 +189,8 @@ struct Ctx {
     cfg: PeerConfig,
     last: Arc<Mutex<Option<Announcement>>>,
     log: Logger,
+    /// The final status of every stage this peer left (migrations and stop).
+    departed: Mutex<Vec<(usize, crate::stage::service::ReplicaStatus)>>,
 }
 
 /// A serving peer.
@@ -294,6 +296,7 @@ impl Peer {
             cfg: cfg.clone(),
             last: Arc::new(Mutex::new(None)),
             log,
+            departed: Mutex::new(Vec::new()),
         });
         let per_stage = match cfg.stage {
             StageChoice::None => Vec::new(),
@@ -399,6 +402,17 @@ impl Peer {
         slot_lock(&self.slot)
             .as_ref()
             .map(|s| Arc::clone(&s.service))
+    }
+
+    /// The final status of every stage replica this peer left by migrating: their
+    /// accounting (samples dropped on a state download, samples still held) leaves the
+    /// stage with them.
+    pub fn departed(&self) -> Vec<(usize, crate::stage::service::ReplicaStatus)> {
+        self.ctx
+            .departed
+            .lock()
+            .map(|d| d.clone())
+            .unwrap_or_default()
     }
 
     /// Migrations done by rebalancing.
@@ -609,27 +623,43 @@ impl Ctx {
         let service = Arc::clone(&serving.service);
         service.drain();
         let deadline = Instant::now() + self.cfg.drain_timeout;
-        loop {
+        let settled = |service: &StageService| {
             let st = service.status();
-            let pending = st.accum_count + st.frozen_count;
-            if service.queue_len() == 0 && pending == 0 {
-                // Let the averager tell the stage that nothing is pending here any more,
-                // so the others do not count this replica's last reported samples as lost.
-                tokio::time::sleep(self.avg_config().heartbeat * 2).await;
-                break;
+            (service.queue_len(), st.accum_count + st.frozen_count)
+        };
+        let mut warned = false;
+        let mut wait_settled = async |what: &str| loop {
+            let (queued, pending) = settled(&service);
+            if queued == 0 && pending == 0 {
+                return;
             }
             if Instant::now() >= deadline {
-                (self.log)(format!(
-                    "leaving stage {} with {} request(s) queued and {pending} sample(s) not yet averaged",
-                    service.stage(),
-                    service.queue_len()
-                ));
-                break;
+                if !warned {
+                    (self.log)(format!(
+                        "leaving stage {} {what} with {queued} request(s) queued and {pending} sample(s) not yet averaged",
+                        service.stage()
+                    ));
+                    warned = true;
+                }
+                return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        wait_settled("").await;
+        // Let the averager tell the stage that nothing is pending here any more, so the
+        // others do not count this replica's last reported samples as lost.
+        tokio::time::sleep(self.avg_config().heartbeat * 2).await;
+        service.close().await;
+        // A call that raced the drain may have queued a job: let it finish.
+        wait_settled("after closing").await;
+        // Then the others forget this replica at once rather than when its progress goes
+        // stale (so no round waits on it), and count what it still holds as lost.
+        serving.averager.leave();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Ok(mut d) = self.departed.lock() {
+            d.push((service.stage(), service.status()));
         }
         drop(serving.averager);
-        service.close().await;
         service
     }
 

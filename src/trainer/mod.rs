@@ -12,6 +12,7 @@
 
 pub mod report;
 pub mod routing;
+pub use routing::Routing;
 
 use crate::data::{DataError, Sampler, TokenSource};
 use crate::dht::Manifest;
@@ -50,6 +51,8 @@ pub struct TrainerConfig {
     /// After each microbatch, wait until stage 0 has applied the step it went into before
     /// starting the next: less stale gradients, less overlap.
     pub sync_steps: bool,
+    /// How replicas are picked.
+    pub routing: Routing,
 }
 
 impl Default for TrainerConfig {
@@ -63,6 +66,7 @@ impl Default for TrainerConfig {
             refresh: Duration::from_secs(1),
             max_microbatches: None,
             sync_steps: true,
+            routing: Routing::Wiring,
         }
     }
 }
@@ -143,6 +147,8 @@ struct Ctx {
     table: Mutex<Table>,
     stats: Arc<TrainerStats>,
     rng: Mutex<Rng>,
+    /// Per stage: the next turn of round-robin routing.
+    turns: Vec<std::sync::atomic::AtomicUsize>,
 }
 
 /// A running trainer loop.
@@ -176,6 +182,9 @@ impl Trainer {
             table: Mutex::new(vec![Vec::new(); stages]),
             stats: Arc::clone(&stats),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
+            turns: (0..stages)
+                .map(|_| std::sync::atomic::AtomicUsize::new(0))
+                .collect(),
         });
         let (stop, stop_rx) = watch::channel(false);
         let batch = m.config.training.batch_size;
@@ -436,12 +445,16 @@ where
                 .filter(|_| first)
                 .and_then(|p| row.iter().position(|(q, st)| *q == p && st.usable(now)));
             let states: Vec<ReplicaState> = row.iter().map(|(_, st)| st.clone()).collect();
-            let idx = pref.or_else(|| {
-                ctx.rng
-                    .lock()
-                    .ok()
-                    .and_then(|mut rng| routing::choose(&states, samples as f64, now, &mut rng))
-            });
+            let idx =
+                pref.or_else(|| match ctx.cfg.routing {
+                    Routing::Wiring => ctx.rng.lock().ok().and_then(|mut rng| {
+                        routing::choose(&states, samples as f64, now, &mut rng)
+                    }),
+                    Routing::RoundRobin => {
+                        let turn = ctx.turns[s].fetch_add(1, Ordering::Relaxed);
+                        routing::round_robin(&states, now, turn)
+                    }
+                });
             idx.map(|i| {
                 row[i].1.in_flight += 1;
                 row[i].0

@@ -66,6 +66,41 @@ impl ReplicaState {
     }
 }
 
+/// How a trainer spreads microbatches over a stage's replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Routing {
+    /// Stochastic wiring ([`choose`]): by expected finish time.
+    #[default]
+    Wiring,
+    /// Fixed round-robin over the usable replicas, blind to speed (a baseline for
+    /// `shoal bench swarm`).
+    RoundRobin,
+}
+
+impl std::str::FromStr for Routing {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "wiring" => Ok(Self::Wiring),
+            "round-robin" => Ok(Self::RoundRobin),
+            other => Err(format!(
+                "routing must be `wiring` or `round-robin`, not {other:?}"
+            )),
+        }
+    }
+}
+
+/// The `turn`-th usable replica in rotation; `None` when none is usable.
+pub fn round_robin(replicas: &[ReplicaState], now: Instant, turn: usize) -> Option<usize> {
+    let usable: Vec<usize> = (0..replicas.len())
+        .filter(|&i| replicas[i].usable(now))
+        .collect();
+    if usable.is_empty() {
+        return None;
+    }
+    Some(usable[turn % usable.len()])
+}
+
 /// Picks a replica for `work` samples; `None` when none is usable.
 pub fn choose(replicas: &[ReplicaState], work: f64, now: Instant, rng: &mut Rng) -> Option<usize> {
     let weights: Vec<f64> = replicas
@@ -97,6 +132,21 @@ pub fn choose(replicas: &[ReplicaState], work: f64, now: Instant, rng: &mut Rng)
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn round_robin_rotates_over_usable_replicas_only() {
+        let now = Instant::now();
+        let mut rs = vec![ReplicaState::announced(1.0, 0); 3];
+        rs[1].banned_until = Some(now + Duration::from_secs(5));
+        let picks: Vec<_> = (0..4).map(|t| round_robin(&rs, now, t)).collect();
+        assert_eq!(picks, [Some(0), Some(2), Some(0), Some(2)]);
+        for r in &mut rs {
+            r.banned_until = Some(now + Duration::from_secs(5));
+        }
+        assert_eq!(round_robin(&rs, now, 0), None);
+        assert_eq!("round-robin".parse::<Routing>(), Ok(Routing::RoundRobin));
+        assert!("fastest".parse::<Routing>().is_err());
+    }
 
     #[test]
     fn faster_and_less_loaded_replicas_get_more_work_but_all_get_some() {

@@ -47,6 +47,12 @@ pub enum Op {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum AvgMsg {
+    /// A replica leaves the stage: forget it now, and count `pending` samples it could
+    /// not have averaged as lost.
+    Leave {
+        /// Samples it still held.
+        pending: u64,
+    },
     /// Sent after each backward and as a heartbeat.
     Progress {
         /// Applied optimizer steps.
