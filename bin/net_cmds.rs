@@ -663,3 +663,48 @@ pub fn bench_swarm(
     }
     Ok(ExitCode::SUCCESS)
 }
+
+pub fn bench_allreduce(
+    peers: usize,
+    floats: usize,
+    codec: &str,
+    link: Option<&str>,
+    reps: usize,
+) -> Result<ExitCode> {
+    use shoal::bench::allreduce as ar;
+    let cfg = ar::AllreduceConfig {
+        peers,
+        floats,
+        codec: codec.parse()?,
+        link: link.map(shoal::net::link::LinkSpec::parse).transpose()?,
+        reps,
+    };
+    let rt = runtime()?;
+    let r = rt.block_on(ar::run(&cfg))?;
+    let link = cfg
+        .link
+        .map_or_else(|| "no emulation".to_string(), |l| l.to_string());
+    println!(
+        "all-reduce of {floats} floats among {peers} peers, {} ({link})",
+        cfg.codec
+    );
+    println!(
+        "median {:.1} ms, best {:.1} ms; vector {:.2} MB encoded",
+        r.median_s * 1e3,
+        r.best_s * 1e3,
+        r.vector_bytes as f64 / 1e6
+    );
+    match r.bound_s {
+        Some(b) => println!(
+            "bound 2(N-1)/N x bytes / bandwidth = {:.1} ms: efficiency {:.2}",
+            b * 1e3,
+            b / r.median_s
+        ),
+        None => println!("no bandwidth limit: no bound"),
+    }
+    println!(
+        "error vs the exact mean: max abs {:.2e}, relative RMS {:.2e}",
+        r.max_abs_err, r.rel_rms_err
+    );
+    Ok(ExitCode::SUCCESS)
+}

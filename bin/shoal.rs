@@ -139,6 +139,24 @@ enum BenchCommand {
         #[arg(long)]
         quic: bool,
     },
+    /// One butterfly all-reduce among N peers in this process, against its bandwidth bound.
+    Allreduce {
+        /// Peers taking part.
+        #[arg(long, default_value_t = 4)]
+        peers: usize,
+        /// Floats in the vector.
+        #[arg(long, default_value_t = 4 << 20)]
+        floats: usize,
+        /// Codec of the parts.
+        #[arg(long, default_value = "int8+zstd1")]
+        codec: String,
+        /// Emulated link of every peer, e.g. bw=100mbit,rtt=50ms.
+        #[arg(long, value_name = "SPEC")]
+        emulate_link: Option<String>,
+        /// Timed repetitions (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
     /// A local swarm (separate processes, emulated home links) against its physical bound.
     Swarm {
         /// Comma-separated: homogeneous, heterogeneous, compression, churn, real, or all.
@@ -340,6 +358,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Swarm {
             which: net_cmds::SwarmCommand::Key { out },
         } => net_cmds::swarm_key(out),
+        Command::Bench {
+            which:
+                BenchCommand::Allreduce {
+                    peers,
+                    floats,
+                    codec,
+                    emulate_link,
+                    reps,
+                },
+        } => net_cmds::bench_allreduce(peers, floats, &codec, emulate_link.as_deref(), reps),
         Command::Bench {
             which:
                 BenchCommand::Swarm {
