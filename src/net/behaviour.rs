@@ -7,7 +7,7 @@
 //! stored), identify, ping, AutoNAT, relay client, optional relay server, DCUtR, connection
 //! limits, and libp2p-stream for our own stage and transfer protocols.
 
-use super::link::Shaped;
+use super::link::{Shaped, SharedLink};
 use super::{NetConfig, NetError};
 use futures::future::Either;
 use libp2p::core::upgrade::Version;
@@ -125,14 +125,15 @@ pub fn build_swarm(cfg: &NetConfig) -> Result<Swarm<Behaviour>, NetError> {
         _ => {
             // TCP only, through the link emulator and then pnet where they are asked for.
             let psk = cfg.swarm_key;
-            let link = cfg.link;
+            // One set of buckets for every connection: the bandwidth is the peer's.
+            let link = cfg.link.map(SharedLink::new);
             SwarmBuilder::with_existing_identity(cfg.identity.clone())
                 .with_tokio()
                 .with_other_transport(|key| {
                     let noise = noise::Config::new(key)?;
                     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
                         tcp::tokio::Transport::new(tcp_cfg)
-                            .map(move |socket, _| Shaped::new(socket, link))
+                            .map(move |socket, _| Shaped::new(socket, link.clone()))
                             .and_then(move |socket, _| async move {
                                 match psk {
                                     Some(k) => pnet::PnetConfig::new(k)

@@ -8,6 +8,7 @@
 //! B flows at `min(A.up, B.down)`. Received bytes wait in a bounded buffer: when it is
 //! full the wrapper stops reading and TCP's own flow control pushes back on the sender.
 //!
+//! The buckets belong to the peer ([`SharedLink`]): all its connections share its bandwidth.
 //! Only TCP is shaped: with emulation on, the peer does not use QUIC.
 
 use futures::{AsyncRead, AsyncWrite};
@@ -190,12 +191,40 @@ impl Bucket {
     }
 }
 
+/// A peer's access link: the token buckets every one of its sockets shares (the link's
+/// bandwidth is the peer's, not each connection's).
+pub struct SharedLink {
+    spec: LinkSpec,
+    up: Option<std::sync::Mutex<Bucket>>,
+    down: Option<std::sync::Mutex<Bucket>>,
+}
+
+impl SharedLink {
+    /// The link of one peer.
+    pub fn new(spec: LinkSpec) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self {
+            spec,
+            up: spec.up.map(|r| std::sync::Mutex::new(Bucket::new(r))),
+            down: spec.down.map(|r| std::sync::Mutex::new(Bucket::new(r))),
+        })
+    }
+
+    /// Its settings.
+    pub fn spec(&self) -> LinkSpec {
+        self.spec
+    }
+}
+
+fn with_bucket<T>(b: &std::sync::Mutex<Bucket>, f: impl FnOnce(&mut Bucket) -> T) -> T {
+    let mut g = b.lock().unwrap_or_else(|p| p.into_inner());
+    f(&mut g)
+}
+
 /// A socket behind an emulated link.
 pub struct Shaped<S> {
     inner: S,
     delay: Duration,
-    up: Option<Bucket>,
-    down: Option<Bucket>,
+    link: Option<std::sync::Arc<SharedLink>>,
     /// Received bytes with the instant they may be read.
     queue: VecDeque<(Instant, Vec<u8>, usize)>,
     queued: usize,
@@ -208,20 +237,19 @@ pub struct Shaped<S> {
 
 impl<S> Shaped<S> {
     /// Wraps `inner`; `None` passes everything through untouched.
-    pub fn new(inner: S, link: Option<LinkSpec>) -> Self {
-        let l = link.unwrap_or_else(LinkSpec::unlimited);
+    pub fn new(inner: S, link: Option<std::sync::Arc<SharedLink>>) -> Self {
+        let l = link.as_ref().map_or_else(LinkSpec::unlimited, |l| l.spec);
         Self {
             inner,
             delay: l.rtt / 2,
-            up: l.up.map(Bucket::new),
-            down: l.down.map(Bucket::new),
+            passthrough: link.is_none(),
+            link,
             queue: VecDeque::new(),
             queued: 0,
             cap: l.buffer_cap(),
             eof: false,
             read_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             write_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
-            passthrough: link.is_none(),
         }
     }
 }
@@ -275,7 +303,8 @@ impl<S: AsyncRead + Unpin> AsyncRead for Shaped<S> {
                 continue;
             };
             let avail = (chunk.len() - *off).min(buf.len());
-            let n = match this.down.as_mut().map(|b| b.take(avail)) {
+            let down = this.link.as_ref().and_then(|l| l.down.as_ref());
+            let n = match down.map(|b| with_bucket(b, |b| b.take(avail))) {
                 None => avail,
                 Some(Ok(n)) => n,
                 Some(Err(at)) => {
@@ -291,8 +320,8 @@ impl<S: AsyncRead + Unpin> AsyncRead for Shaped<S> {
                 this.queue.pop_front();
             }
             this.queued -= n;
-            if let Some(b) = this.down.as_mut() {
-                b.spend(n);
+            if let Some(b) = down {
+                with_bucket(b, |b| b.spend(n));
             }
             return Poll::Ready(Ok(n));
         }
@@ -307,7 +336,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Shaped<S> {
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         loop {
-            let n = match this.up.as_mut().map(|b| b.take(buf.len())) {
+            let up = this.link.as_ref().and_then(|l| l.up.as_ref());
+            let n = match up.map(|b| with_bucket(b, |b| b.take(buf.len()))) {
                 None => buf.len(),
                 Some(Ok(n)) => n,
                 Some(Err(at)) => {
@@ -318,8 +348,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Shaped<S> {
                 }
             };
             let r = Pin::new(&mut this.inner).poll_write(cx, &buf[..n]);
-            if let (Poll::Ready(Ok(w)), Some(b)) = (&r, this.up.as_mut()) {
-                b.spend(*w);
+            if let (Poll::Ready(Ok(w)), Some(b)) = (&r, up) {
+                with_bucket(b, |b| b.spend(*w));
             }
             return r;
         }
@@ -401,7 +431,8 @@ mod tests {
     async fn receiving_side_adds_half_the_rtt_and_holds_the_down_rate() {
         let (a, b) = pair().await;
         let link = LinkSpec::parse("down=8mbit,rtt=200ms").unwrap();
-        let (first, all, _) = transfer(a, Shaped::new(b, Some(link)), 500_000).await;
+        let (first, all, _) =
+            transfer(a, Shaped::new(b, Some(SharedLink::new(link))), 500_000).await;
         // Lower bounds only: a slow machine can only make these longer.
         assert!(
             first >= Duration::from_millis(95),
@@ -416,11 +447,32 @@ mod tests {
     async fn sending_side_holds_the_up_rate() {
         let (a, b) = pair().await;
         let link = LinkSpec::parse("up=16mbit").unwrap();
-        let (first, all, _) = transfer(Shaped::new(a, Some(link)), b, 1_000_000).await;
+        let (first, all, _) =
+            transfer(Shaped::new(a, Some(SharedLink::new(link))), b, 1_000_000).await;
         assert!(first < Duration::from_secs(5));
         assert!(
             all >= Duration::from_millis(450),
             "1 MB at 2 MB/s took {all:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn connections_of_one_peer_share_its_bandwidth() {
+        // Two connections behind one 16 Mbit/s uplink: 1 MB each takes about 1 s together,
+        // not 0.5 s as two separate links would allow.
+        let link = SharedLink::new(LinkSpec::parse("up=16mbit").unwrap());
+        let (a1, b1) = pair().await;
+        let (a2, b2) = pair().await;
+        let t0 = Instant::now();
+        let (r1, r2) = tokio::join!(
+            transfer(Shaped::new(a1, Some(link.clone())), b1, 1_000_000),
+            transfer(Shaped::new(a2, Some(link)), b2, 1_000_000)
+        );
+        let both = t0.elapsed();
+        assert!(r1.1 < Duration::from_secs(20) && r2.1 < Duration::from_secs(20));
+        assert!(
+            both >= Duration::from_millis(900),
+            "2 MB at 2 MB/s took {both:?}"
         );
     }
 
