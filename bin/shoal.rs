@@ -168,8 +168,8 @@ enum BenchCommand {
         /// Seconds of warm-up before measuring.
         #[arg(long, default_value_t = 8.0, value_name = "SECS")]
         warmup: f64,
-        /// Microbatches each trainer keeps in flight.
-        #[arg(long, default_value_t = 4, value_name = "N")]
+        /// Microbatches each trainer keeps in flight (enough to cover the links' latency).
+        #[arg(long, default_value_t = 32, value_name = "N")]
         concurrency: usize,
         /// Also write the rows as a JSON array here.
         #[arg(long, value_name = "PATH")]

@@ -434,6 +434,9 @@ fn replica_args(id: &str, boot: &str, r: &ReplicaSpec, key: &str, stage: &str) -
             "--allow-sim",
             "--rebalance-every",
             "0",
+            // Deep enough for every microbatch the trainers keep in flight.
+            "--queue",
+            "64",
             "--sim-slowdown",
             &r.slowdown.to_string(),
             "--emulate-link",

@@ -69,8 +69,8 @@ pub struct Counters {
     pub jobs: AtomicU64,
     /// Microseconds jobs waited in the queue before compute.
     pub queue_us: AtomicU64,
-    /// Microseconds spent reading requests off the network (waiting for the caller's
-    /// bytes included: on a slow link this is where the time goes).
+    /// Microseconds spent reading forward and backward requests off the network (waiting
+    /// for the caller's bytes included: on a slow link this is where the time goes).
     pub read_us: AtomicU64,
     /// Microseconds spent writing answers.
     pub write_us: AtomicU64,
@@ -455,10 +455,7 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
         read_request(&mut stream, &shared.cfg.limits),
     )
     .await;
-    shared
-        .counters
-        .read_us
-        .fetch_add(t_read.elapsed().as_micros() as u64, Ordering::Relaxed);
+    let read_us = t_read.elapsed().as_micros() as u64;
     let (req, frames) = match read {
         Err(_) => {
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
@@ -516,6 +513,7 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
     let c = &shared.counters;
     match op {
         Op::Forward | Op::Backward => {
+            c.read_us.fetch_add(read_us, Ordering::Relaxed);
             c.stage_in.fetch_add(in_bytes, Ordering::Relaxed);
             c.stage_out.fetch_add(out_bytes, Ordering::Relaxed);
         }
