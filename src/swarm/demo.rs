@@ -394,11 +394,18 @@ async fn run_in(
     let entropy = TokenSource::open(&run_cfg)
         .ok()
         .and_then(|s| s.entropy_rate());
+    // All at once: each peer drains and writes its state before it exits.
+    for (_, p) in peers.iter_mut() {
+        p.terminate();
+    }
+    if let Some(j) = joiner.as_mut() {
+        j.terminate();
+    }
     for (_, mut p) in peers {
-        p.stop();
+        p.stop_within(Duration::from_secs(8));
     }
     if let Some(mut j) = joiner {
-        j.stop();
+        j.stop_within(Duration::from_secs(8));
     }
     boot.stop();
     net.shutdown().await;

@@ -628,12 +628,19 @@ impl Ctx {
             (service.queue_len(), st.accum_count + st.frozen_count)
         };
         let mut warned = false;
+        // Rounds need the rest of the stage: when its step stands still for 3 s (training
+        // has stopped), what is pending here will not be averaged; stop waiting for it.
+        let mut step = (service.step(), Instant::now());
         let mut wait_settled = async |what: &str| loop {
             let (queued, pending) = settled(&service);
             if queued == 0 && pending == 0 {
                 return;
             }
-            if Instant::now() >= deadline {
+            if service.step() != step.0 {
+                step = (service.step(), Instant::now());
+            }
+            let stalled = queued == 0 && step.1.elapsed() >= Duration::from_secs(3);
+            if Instant::now() >= deadline || stalled {
                 if !warned {
                     (self.log)(format!(
                         "leaving stage {} {what} with {queued} request(s) queued and {pending} sample(s) not yet averaged",
