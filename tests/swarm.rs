@@ -229,6 +229,15 @@ fn check_accounting(
     (fed, done, failed)
 }
 
+/// The single-process run of `cfg`, evaluated on 8 held-out batches.
+fn local_run(cfg: &RunConfig) -> shoal::train::LocalReport {
+    let opts = LocalOptions {
+        eval_batches: 8,
+        ..LocalOptions::default()
+    };
+    train_local(cfg, &opts, &mut |_| {}).unwrap()
+}
+
 async fn eval(s: &Swarm) -> f64 {
     let mut c = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), Vec::new());
     c.dht_server = false;
@@ -245,15 +254,7 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
     let steps = 40;
     let cfg = run_config(steps);
     // The single-process run over the same number of samples.
-    let local = train_local(
-        &cfg,
-        &LocalOptions {
-            eval_batches: 8,
-            ..LocalOptions::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    let local = local_run(&cfg);
     let samples = steps * 32;
     let dir = tempfile::tempdir().unwrap();
     let s = swarm(&dir, &cfg, 2).await;
@@ -415,15 +416,7 @@ async fn experiment() {
         );
     }
     if std::env::var_os("SWARM_LOCAL").is_some() {
-        let local = train_local(
-            &cfg,
-            &LocalOptions {
-                eval_batches: 8,
-                ..LocalOptions::default()
-            },
-            &mut |_| {},
-        )
-        .unwrap();
+        let local = local_run(&cfg);
         eprintln!("local eval {:.4}", local.eval_loss);
     }
 }

@@ -240,9 +240,7 @@ impl State {
                         let msg = AvgMsg::Leave {
                             pending: st.accum_count + st.frozen_count,
                         };
-                        let mut targets: Vec<PeerId> = self.known.clone();
-                        targets.extend(self.views.keys().filter(|p| !self.known.contains(p)));
-                        for p in targets {
+                        for p in self.others() {
                             self.send(p, msg.clone(), None);
                         }
                     }
@@ -277,6 +275,13 @@ impl State {
 
     fn status(&self) -> ReplicaStatus {
         self.service.status()
+    }
+
+    /// Every other replica of the stage this one knows of: announced, or heard from.
+    fn others(&self) -> Vec<PeerId> {
+        let mut out = self.known.clone();
+        out.extend(self.views.keys().filter(|p| !self.known.contains(p)));
+        out
     }
 
     fn live(&self) -> impl Iterator<Item = (&PeerId, &View)> {
@@ -350,13 +355,7 @@ impl State {
                 frozen: st.frozen_count,
                 hash: st.params_hash.clone(),
             };
-            let mut targets: Vec<PeerId> = self.known.clone();
-            for p in self.views.keys() {
-                if !targets.contains(p) {
-                    targets.push(*p);
-                }
-            }
-            for p in targets {
+            for p in self.others() {
                 self.send(p, msg.clone(), None);
             }
             self.last_sent = Some(now_sig);

@@ -117,6 +117,21 @@ async fn send(
     )))
 }
 
+/// Sends `what(j)` to every peer `j` but `me`, all at once; the first error, if any.
+async fn send_to_others<'a>(
+    net: &NetHandle,
+    ids: &[PeerId],
+    me: usize,
+    codec: &CodecSpec,
+    what: impl Fn(usize) -> (Head, &'a [f32]),
+) -> Result<(), NetError> {
+    let sends = (0..ids.len()).filter(|&j| j != me).map(|j| {
+        let (head, values) = what(j);
+        async move { send(net, ids[j], &head, values, codec).await }
+    });
+    futures::future::join_all(sends).await.into_iter().collect()
+}
+
 /// One peer's part in repetition `rep`: returns the full reduced vector.
 async fn allreduce_once(
     me: usize,
@@ -130,17 +145,15 @@ async fn allreduce_once(
     let n = nets.len();
     let parts = partition(data.len(), n);
     let net = &nets[me];
-    let sends = (0..n).filter(|&j| j != me).map(|j| {
+    let sent = send_to_others(net, ids, me, &cfg.codec, |j| {
         let head = Head {
             phase: 0,
             part: j as u32,
             rep,
             from: me as u32,
         };
-        let values = &data[parts[j].clone()];
-        async move { send(net, ids[j], &head, values, &cfg.codec).await }
+        (head, &data[parts[j].clone()])
     });
-    let sent = futures::future::join_all(sends);
     // Gather the others' copies of my part while sending mine.
     let gather = async {
         // Keyed by sender: a retried message may arrive twice.
@@ -162,26 +175,20 @@ async fn allreduce_once(
         }
         Ok((got, reduced))
     };
-    let (results, gathered) = tokio::join!(sent, gather);
-    for r in results {
-        r?;
-    }
+    let (sent, gathered) = tokio::join!(sent, gather);
+    sent?;
     let (got, mut reduced) = gathered?;
     let mine = &data[parts[me].clone()];
     let mut sums: Vec<(&[f32], u64)> = vec![(mine, 1)];
     sums.extend(got.values().map(|v| (v.as_slice(), 1u64)));
     let (part, _) = reduce_part(&sums, parts[me].len());
-    let sends = (0..n).filter(|&j| j != me).map(|j| {
-        let head = Head {
-            phase: 1,
-            part: me as u32,
-            rep,
-            from: me as u32,
-        };
-        let part = &part;
-        async move { send(net, ids[j], &head, part, &cfg.codec).await }
-    });
-    let sent = futures::future::join_all(sends);
+    let head = |_| Head {
+        phase: 1,
+        part: me as u32,
+        rep,
+        from: me as u32,
+    };
+    let sent = send_to_others(net, ids, me, &cfg.codec, |j| (head(j), part.as_slice()));
     let gather = async {
         while reduced
             .iter()
@@ -197,10 +204,8 @@ async fn allreduce_once(
         }
         Ok(())
     };
-    let (results, gathered) = tokio::join!(sent, gather);
-    for r in results {
-        r?;
-    }
+    let (sent, gathered) = tokio::join!(sent, gather);
+    sent?;
     gathered?;
     let mut out = Vec::with_capacity(data.len());
     for (j, r) in reduced.into_iter().enumerate() {

@@ -15,7 +15,7 @@
 use crate::config::{RunConfig, StageKind};
 use crate::dht::Manifest;
 use crate::net::link::LinkSpec;
-use crate::swarm::demo::{peer_args, sum, DemoError, Proc};
+use crate::swarm::demo::{peer_args, spawn_bootstrap, stop_all, sum, DemoError, Proc};
 use crate::trainer::report::Progress;
 use crate::wire::CodecSpec;
 use std::path::{Path, PathBuf};
@@ -491,14 +491,7 @@ fn run_in(
     let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
-    let mut boot = Proc::spawn(
-        exe,
-        dir,
-        "bootstrap",
-        &peer_args("run.toml", None, "none", "boot.key"),
-    )?;
-    let line = boot.wait_line("listening on /ip4/127.0.0.1/tcp/", Duration::from_secs(20))?;
-    let baddr = line.trim_start_matches("listening on ").to_string();
+    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
     let mut peers: Vec<(usize, Proc)> = Vec::new();
     let mut compute = Vec::new();
     for (i, r) in setup.replicas.iter().enumerate() {
@@ -586,22 +579,15 @@ fn run_in(
     };
     // Stop the trainers gracefully (SIGTERM): in-flight microbatches finish, and the last
     // line gives the final accounting.
-    for t in trainers.iter_mut() {
-        t.terminate();
-    }
-    for t in trainers.iter_mut() {
-        t.stop_within(Duration::from_secs(30));
-    }
+    stop_all(trainers.iter_mut(), Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(300));
     drain(&mut trainers, &mut last);
     let end_p = sum(&last);
-    for (_, p) in peers.iter_mut() {
-        p.terminate();
-    }
+    // Each peer prints its counters as it stops.
+    stop_all(peers.iter_mut().map(|(_, p)| p), Duration::from_secs(15));
+    std::thread::sleep(Duration::from_millis(50));
     let mut stages = vec![StageTimes::default(); setup.run.stages.count];
-    for (_, mut p) in peers {
-        p.stop_within(Duration::from_secs(15));
-        std::thread::sleep(Duration::from_millis(50));
+    for (_, p) in peers {
         while let Ok(l) = p.lines.try_recv() {
             if let Some((s, t)) = StageTimes::parse(&l) {
                 if let Some(acc) = stages.get_mut(s) {

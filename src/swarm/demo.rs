@@ -189,6 +189,32 @@ impl Drop for Proc {
     }
 }
 
+/// Starts the bootstrap peer (DHT only) of the run in `dir/run.toml`; returns it and the
+/// address it listens on.
+pub(crate) fn spawn_bootstrap(exe: &Path, dir: &Path) -> Result<(Proc, String), DemoError> {
+    let mut boot = Proc::spawn(
+        exe,
+        dir,
+        "bootstrap",
+        &peer_args("run.toml", None, "none", "boot.key"),
+    )?;
+    let line = boot.wait_line("listening on /ip4/127.0.0.1/tcp/", Duration::from_secs(20))?;
+    let addr = line.trim_start_matches("listening on ").to_string();
+    Ok((boot, addr))
+}
+
+/// Stops processes all at once: SIGTERM to every one (each drains and writes its state),
+/// then waits for each, SIGKILLing any still running after `grace`.
+pub(crate) fn stop_all<'a>(procs: impl IntoIterator<Item = &'a mut Proc>, grace: Duration) {
+    let mut procs: Vec<&mut Proc> = procs.into_iter().collect();
+    for p in procs.iter_mut() {
+        p.terminate();
+    }
+    for p in procs {
+        p.stop_within(grace);
+    }
+}
+
 /// The run the demo trains.
 pub fn demo_config(stages: usize, steps: u64) -> RunConfig {
     let mut cfg = RunConfig::tiny();
@@ -262,14 +288,7 @@ async fn run_in(
         run_cfg.codecs.activations,
         run_cfg.codecs.gradients
     ));
-    let mut boot = Proc::spawn(
-        exe,
-        dir,
-        "bootstrap",
-        &peer_args("run.toml", None, "none", "boot.key"),
-    )?;
-    let line = boot.wait_line("listening on /ip4/127.0.0.1/tcp/", Duration::from_secs(20))?;
-    let baddr = line.trim_start_matches("listening on ").to_string();
+    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
     out(format!("bootstrap peer {baddr}"));
     let mut peers: Vec<(usize, Proc)> = Vec::new();
     for s in 0..cfg.stages {
@@ -394,19 +413,10 @@ async fn run_in(
     let entropy = TokenSource::open(&run_cfg)
         .ok()
         .and_then(|s| s.entropy_rate());
-    // All at once: each peer drains and writes its state before it exits.
-    for (_, p) in peers.iter_mut() {
-        p.terminate();
-    }
-    if let Some(j) = joiner.as_mut() {
-        j.terminate();
-    }
-    for (_, mut p) in peers {
-        p.stop_within(Duration::from_secs(8));
-    }
-    if let Some(mut j) = joiner {
-        j.stop_within(Duration::from_secs(8));
-    }
+    stop_all(
+        peers.iter_mut().map(|(_, p)| p).chain(joiner.as_mut()),
+        Duration::from_secs(8),
+    );
     boot.stop();
     net.shutdown().await;
     Ok(DemoReport {
