@@ -117,6 +117,18 @@ async fn send(
     )))
 }
 
+/// The next message in `inbox`; an error, not a hang, when none comes within a minute
+/// (a peer whose sends all failed).
+async fn recv(inbox: &mut Inbox) -> Result<(Head, Vec<f32>), NetError> {
+    match tokio::time::timeout(Duration::from_secs(60), inbox.recv()).await {
+        Ok(Some(m)) => Ok(m),
+        Ok(None) => Err(NetError::Invalid("inbox closed".into())),
+        Err(_) => Err(NetError::Invalid(
+            "no part arrived within 60 s; a peer could not send".into(),
+        )),
+    }
+}
+
 /// Sends `what(j)` to every peer `j` but `me`, all at once; the first error, if any.
 async fn send_to_others<'a>(
     net: &NetHandle,
@@ -160,9 +172,7 @@ async fn allreduce_once(
         let mut got: std::collections::BTreeMap<u32, Vec<f32>> = Default::default();
         let mut reduced: Vec<Option<Vec<f32>>> = vec![None; n];
         while got.len() < n - 1 {
-            let Some((h, v)) = inbox.recv().await else {
-                return Err(NetError::Invalid("inbox closed".into()));
-            };
+            let (h, v) = recv(inbox).await?;
             if h.rep != rep {
                 continue;
             }
@@ -195,9 +205,7 @@ async fn allreduce_once(
             .enumerate()
             .any(|(j, r)| j != me && r.is_none())
         {
-            let Some((h, v)) = inbox.recv().await else {
-                return Err(NetError::Invalid("inbox closed".into()));
-            };
+            let (h, v) = recv(inbox).await?;
             if h.rep == rep && h.phase == 1 {
                 reduced[h.part as usize] = Some(v);
             }
@@ -248,11 +256,16 @@ pub async fn run(cfg: &AllreduceConfig) -> Result<AllreduceReport, NetError> {
         addrs.push(a);
     }
     let ids: Vec<PeerId> = nets.iter().map(|h| h.local_peer_id()).collect();
-    for h in &nets {
+    // Connect every pair up front, one dial at a time: streams opened while two peers
+    // dial each other at once were seen to hang.
+    for (i, h) in nets.iter().enumerate() {
         for (id, a) in ids.iter().zip(&addrs) {
             if *id != h.local_peer_id() {
                 h.add_addresses(*id, vec![a.clone()]).await?;
             }
+        }
+        for a in addrs.iter().skip(i + 1) {
+            h.dial(a.clone()).await?;
         }
     }
     // Every peer's inbound streams go to its inbox.
