@@ -98,6 +98,11 @@ pub struct PeerArgs {
     /// Multiply a `sim` stage's time per sample (benchmarks of uneven swarms).
     #[arg(long, default_value_t = 1.0, value_name = "X", hide = true)]
     sim_slowdown: f64,
+    /// Forward graphs kept for their backward (memory: one microbatch's activations
+    /// each); a backward whose forward was dropped recomputes it. Raise it when many
+    /// microbatches are in flight through this peer.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    keep_forwards: usize,
 }
 
 #[derive(Args)]
@@ -308,6 +313,10 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     cfg.rebalance = (a.rebalance_every > 0).then(|| Duration::from_secs(a.rebalance_every));
     cfg.allow_sim = a.allow_sim;
     cfg.sim_slowdown = a.sim_slowdown;
+    if a.keep_forwards == 0 {
+        bail!("--keep-forwards must be at least 1");
+    }
+    cfg.kept_forwards = a.keep_forwards;
     let rt = runtime()?;
     rt.block_on(async move {
         let log = |line: String| println!("{line}");

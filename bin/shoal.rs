@@ -169,7 +169,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 8.0, value_name = "SECS")]
         warmup: f64,
         /// Microbatches each trainer keeps in flight (enough to cover the links' latency).
-        #[arg(long, default_value_t = 32, value_name = "N")]
+        #[arg(long, default_value_t = 64, value_name = "N")]
         concurrency: usize,
         /// Also write the rows as a JSON array here.
         #[arg(long, value_name = "PATH")]

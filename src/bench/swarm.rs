@@ -427,16 +427,29 @@ fn link_arg(l: &LinkSpec) -> String {
     parts.join(",")
 }
 
-fn replica_args(id: &str, boot: &str, r: &ReplicaSpec, key: &str, stage: &str) -> Vec<String> {
+/// Arguments of a stage peer. `in_flight` is the microbatches all trainers keep in flight:
+/// every replica's queue holds them all, so a replica never refuses work for being full
+/// (which would let the fixed round-robin baseline steer around a slow replica), and it
+/// keeps as many forwards, so a backward never recomputes for want of room.
+fn replica_args(
+    id: &str,
+    boot: &str,
+    r: &ReplicaSpec,
+    key: &str,
+    stage: &str,
+    in_flight: usize,
+) -> Vec<String> {
     let mut a = peer_args(id, Some(boot), stage, key);
+    let room = in_flight.max(8).to_string();
     a.extend(
         [
             "--allow-sim",
             "--rebalance-every",
             "0",
-            // Deep enough for every microbatch the trainers keep in flight.
             "--queue",
-            "64",
+            &room,
+            "--keep-forwards",
+            &room,
             "--sim-slowdown",
             &r.slowdown.to_string(),
             "--emulate-link",
@@ -492,6 +505,7 @@ fn run_in(
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
     let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    let in_flight = setup.concurrency * setup.trainers.len();
     let mut peers: Vec<(usize, Proc)> = Vec::new();
     let mut compute = Vec::new();
     for (i, r) in setup.replicas.iter().enumerate() {
@@ -502,6 +516,7 @@ fn run_in(
             r,
             &format!("{name}.key"),
             &r.stage.to_string(),
+            in_flight,
         );
         let mut p = Proc::spawn(exe, dir, &name, &args)?;
         let l = p.wait_line("samples/s", Duration::from_secs(60))?;
@@ -545,7 +560,8 @@ fn run_in(
                     killed += 1;
                     let spec = setup.replicas[i].clone();
                     let name = format!("joiner{killed}");
-                    let args = replica_args(&m.id, &baddr, &spec, &format!("{name}.key"), "auto");
+                    let key = format!("{name}.key");
+                    let args = replica_args(&m.id, &baddr, &spec, &key, "auto", in_flight);
                     out(format!("churn: SIGKILLed {}, starting {name}", victim.name));
                     let p = Proc::spawn(exe, dir, &name, &args)?;
                     peers.push((i, p));
@@ -590,6 +606,7 @@ fn run_in(
     for (_, p) in peers {
         while let Ok(l) = p.lines.try_recv() {
             if let Some((s, t)) = StageTimes::parse(&l) {
+                out(format!("  {}: {}", p.name, t.line()));
                 if let Some(acc) = stages.get_mut(s) {
                     acc.add(&t);
                 }

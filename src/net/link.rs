@@ -146,6 +146,9 @@ impl LinkSpec {
     }
 }
 
+/// The least a bucket grants at once (about a packet), unless less was asked for.
+const MIN_GRANT: f64 = 4096.0;
+
 /// A token bucket in bytes.
 struct Bucket {
     rate: f64,
@@ -174,15 +177,17 @@ impl Bucket {
         self.at = now;
     }
 
-    /// Bytes that may pass now, at most `want`; when none, the instant one byte-chunk of
-    /// `min(want, burst)` will.
+    /// Bytes that may pass now, at most `want`; when fewer than a packet's worth
+    /// (`min(want, MIN_GRANT)`) are there, the instant they will be. Granting less would
+    /// let sockets sharing a drained bucket trickle through a few bytes per poll, and the
+    /// polling would eat the CPU the swarm needs.
     fn take(&mut self, want: usize) -> Result<usize, Instant> {
         self.refill();
-        if self.tokens >= 1.0 {
+        let floor = (want as f64).min(MIN_GRANT).min(self.burst).max(1.0);
+        if self.tokens >= floor {
             Ok((self.tokens as usize).min(want))
         } else {
-            let need = (want as f64).min(self.burst).max(1.0) - self.tokens;
-            Err(self.at + Duration::from_secs_f64(need / self.rate))
+            Err(self.at + Duration::from_secs_f64((floor - self.tokens) / self.rate))
         }
     }
 
@@ -220,6 +225,9 @@ fn with_bucket<T>(b: &std::sync::Mutex<Bucket>, f: impl FnOnce(&mut Bucket) -> T
     f(&mut g)
 }
 
+/// Bytes one socket read may take into the delay line.
+const SCRATCH: usize = 64 << 10;
+
 /// A socket behind an emulated link.
 pub struct Shaped<S> {
     inner: S,
@@ -233,12 +241,20 @@ pub struct Shaped<S> {
     read_timer: Pin<Box<Sleep>>,
     write_timer: Pin<Box<Sleep>>,
     passthrough: bool,
+    /// Where socket reads land before they join the delay line: allocated once, because a
+    /// fresh zeroed 64 KiB per poll cost more CPU than the rest of the swarm together.
+    scratch: Vec<u8>,
 }
 
 impl<S> Shaped<S> {
     /// Wraps `inner`; `None` passes everything through untouched.
     pub fn new(inner: S, link: Option<std::sync::Arc<SharedLink>>) -> Self {
         let l = link.as_ref().map_or_else(LinkSpec::unlimited, |l| l.spec);
+        let scratch = if link.is_some() {
+            vec![0u8; SCRATCH]
+        } else {
+            Vec::new()
+        };
         Self {
             inner,
             delay: l.rtt / 2,
@@ -250,6 +266,7 @@ impl<S> Shaped<S> {
             eof: false,
             read_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             write_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            scratch,
         }
     }
 }
@@ -273,13 +290,13 @@ impl<S: AsyncRead + Unpin> AsyncRead for Shaped<S> {
         loop {
             // Take in what the socket has, up to the buffer's cap.
             while !this.eof && this.queued < this.cap {
-                let mut tmp = vec![0u8; 64 << 10];
-                match Pin::new(&mut this.inner).poll_read(cx, &mut tmp) {
+                match Pin::new(&mut this.inner).poll_read(cx, &mut this.scratch) {
                     Poll::Ready(Ok(0)) => this.eof = true,
                     Poll::Ready(Ok(n)) => {
-                        tmp.truncate(n);
                         this.queued += n;
-                        this.queue.push_back((Instant::now() + this.delay, tmp, 0));
+                        let chunk = this.scratch[..n].to_vec();
+                        this.queue
+                            .push_back((Instant::now() + this.delay, chunk, 0));
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => break,

@@ -16,8 +16,8 @@ use candle_core::Tensor;
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-/// Forward graphs kept for their backward.
-const KEPT_CAP: usize = 32;
+/// Forward graphs kept for their backward, unless [`Replica::with_kept_cap`] says otherwise.
+pub const KEPT_CAP: usize = 32;
 
 /// Microbatch ids remembered for at-most-once accumulation.
 const SEEN_CAP: usize = 1 << 16;
@@ -56,6 +56,7 @@ pub struct Replica {
     accum: Arc<Mutex<Accum>>,
     kept: std::collections::HashMap<u64, Kept>,
     kept_order: VecDeque<u64>,
+    kept_cap: usize,
     numel: usize,
     samples_applied: u64,
     samples_lost: u64,
@@ -127,6 +128,7 @@ impl Replica {
             accum: Arc::new(Mutex::new(Accum::default())),
             kept: std::collections::HashMap::new(),
             kept_order: VecDeque::new(),
+            kept_cap: KEPT_CAP,
             numel,
             samples_applied: 0,
             samples_lost: 0,
@@ -143,6 +145,15 @@ impl Replica {
         if self.sim.is_some() {
             self.sim = sim;
         }
+        self
+    }
+
+    /// Keeps up to `cap` forward graphs (at least one) for their backward; beyond that the
+    /// oldest are dropped and their backward recomputes the forward. More costs memory
+    /// (a microbatch's activations each) and saves compute when many microbatches are in
+    /// flight through this replica.
+    pub fn with_kept_cap(mut self, cap: usize) -> Self {
+        self.kept_cap = cap.max(1);
         self
     }
 
@@ -215,6 +226,14 @@ impl Replica {
     /// `mb` 0 (evaluation) keeps nothing.
     pub fn forward(&mut self, input: &Tensor, mb: u64) -> Result<Tensor, ModelError> {
         if let Some(sim) = &self.sim {
+            // Remember the forward as a real stage keeps its graph, so that backward
+            // knows whether it would have had to recompute it.
+            if mb != 0 && !self.kept_order.contains(&mb) {
+                self.kept_order.push_back(mb);
+                if self.kept_order.len() > self.kept_cap {
+                    self.kept_order.pop_front();
+                }
+            }
             return sim.forward(&self.stage, input);
         }
         if mb == 0 {
@@ -225,7 +244,7 @@ impl Replica {
         if self.kept.insert(mb, kept).is_none() {
             self.kept_order.push_back(mb);
         }
-        while self.kept_order.len() > KEPT_CAP {
+        while self.kept_order.len() > self.kept_cap {
             if let Some(old) = self.kept_order.pop_front() {
                 self.kept.remove(&old);
             }
@@ -247,7 +266,13 @@ impl Replica {
             .remove(&mb)
             .filter(|k| k.input_dims() == input.dims());
         let g = match (kept, &self.sim) {
-            (_, Some(sim)) => sim.backward(&self.stage, input, upstream)?,
+            (_, Some(sim)) => {
+                let ran = self.kept_order.iter().position(|&m| m == mb);
+                if let Some(i) = ran {
+                    self.kept_order.remove(i);
+                }
+                sim.backward(&self.stage, input, upstream, ran.is_none())?
+            }
             (Some(k), None) => self.stage.backward_kept(k, upstream)?,
             (None, None) => self.stage.backward(input, upstream)?,
         };

@@ -3,7 +3,10 @@
 //! bound is known exactly even when eight stages share two cores.
 //!
 //! Forward sleeps a third of `sim_ms_per_sample` per sample, backward two thirds (the usual
-//! 1:2 split of a transformer). Outputs are Gaussian noise of the real activation shape on
+//! 1:2 split of a transformer), and a backward that must recompute its forward (the last
+//! stage, whose forward is fused into its backward, or a replica that swapped in) sleeps
+//! both, as a real stage would compute both. The time is counted from the call's start, so
+//! the tensor work done here is inside it, not added to it. Outputs are Gaussian noise of the real activation shape on
 //! stage 0, the input passed through on later stages (logit-sized noise on the last);
 //! backward returns a gradient of the input's shape (the upstream one passed through, or
 //! small noise from the last stage) and zero parameter gradients, which still flow through
@@ -13,7 +16,7 @@
 use crate::config::{RunConfig, StageKind};
 use crate::model::{ModelError, Stage, StageGrads, Upstream};
 use candle_core::{DType, Tensor};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A sim stage's timing and shapes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -47,14 +50,24 @@ impl SimCompute {
         1.0 / (self.forward + self.backward).as_secs_f64()
     }
 
-    fn sleep(per_sample: Duration, input: &Tensor) {
+    /// Sleeps until `per_sample` × the batch of `input` has passed since `start`.
+    fn finish(start: Instant, per_sample: Duration, input: &Tensor) {
         let n = input.dims().first().copied().unwrap_or(1) as u32;
-        std::thread::sleep(per_sample * n);
+        let left = (per_sample * n).saturating_sub(start.elapsed());
+        if !left.is_zero() {
+            std::thread::sleep(left);
+        }
     }
 
     /// Forward of `input` through `stage`'s stand-in.
     pub fn forward(&self, stage: &Stage, input: &Tensor) -> Result<Tensor, ModelError> {
-        Self::sleep(self.forward, input);
+        let start = Instant::now();
+        let out = self.forward_now(stage, input);
+        Self::finish(start, self.forward, input);
+        out
+    }
+
+    fn forward_now(&self, stage: &Stage, input: &Tensor) -> Result<Tensor, ModelError> {
         let (b, t) = (
             input.dims().first().copied().unwrap_or(1),
             input.dims().get(1).copied().unwrap_or(1),
@@ -69,14 +82,32 @@ impl SimCompute {
         Ok(input.to_dtype(DType::F32)?.copy()?)
     }
 
-    /// Backward of `input` through `stage`'s stand-in.
+    /// Backward of `input` through `stage`'s stand-in; `recompute` when this replica did
+    /// not run the forward of this microbatch (it then takes the forward's time too).
     pub fn backward(
         &self,
         stage: &Stage,
         input: &Tensor,
         upstream: Upstream<'_>,
+        recompute: bool,
     ) -> Result<StageGrads, ModelError> {
-        Self::sleep(self.backward, input);
+        let start = Instant::now();
+        let out = self.backward_now(stage, input, upstream);
+        let time = if recompute {
+            self.forward + self.backward
+        } else {
+            self.backward
+        };
+        Self::finish(start, time, input);
+        out
+    }
+
+    fn backward_now(
+        &self,
+        stage: &Stage,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+    ) -> Result<StageGrads, ModelError> {
         let grads = stage
             .params()
             .vars()
@@ -131,12 +162,22 @@ mod tests {
         assert_eq!(h.dims(), [b, t, d]);
         let logits = sim.forward(&s1, &h).unwrap();
         assert_eq!(logits.dims(), [b, t, cfg.model.vocab]);
-        let g = sim.backward(&s1, &h, Upstream::Targets(&tokens)).unwrap();
+        // The last stage recomputes its forward: 4 × (2 + 4) ms.
+        let t0 = std::time::Instant::now();
+        let g = sim
+            .backward(&s1, &h, Upstream::Targets(&tokens), true)
+            .unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(24));
         assert_eq!(g.grad_input.as_ref().unwrap().dims(), [b, t, d]);
         assert!(g.loss.unwrap() > 0.0);
         assert_eq!(g.grads.len(), s1.params().len());
         let g0 = sim
-            .backward(&s0, &tokens, Upstream::Grad(g.grad_input.as_ref().unwrap()))
+            .backward(
+                &s0,
+                &tokens,
+                Upstream::Grad(g.grad_input.as_ref().unwrap()),
+                false,
+            )
             .unwrap();
         assert!(g0.grad_input.is_none());
     }

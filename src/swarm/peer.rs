@@ -105,6 +105,8 @@ pub struct PeerConfig {
     pub allow_sim: bool,
     /// A `sim` stage's time per sample is multiplied by this (benchmarks of uneven swarms).
     pub sim_slowdown: f64,
+    /// Forward graphs the replica keeps for their backward (see [`Replica::with_kept_cap`]).
+    pub kept_forwards: usize,
 }
 
 impl PeerConfig {
@@ -133,6 +135,7 @@ impl PeerConfig {
             drain_timeout: Duration::from_secs(10),
             allow_sim: false,
             sim_slowdown: 1.0,
+            kept_forwards: crate::stage::replica::KEPT_CAP,
         }
     }
 }
@@ -548,7 +551,9 @@ impl Ctx {
                 cfg.bench_budget,
             )?,
         };
-        let mut replica = Replica::new(&manifest.config, stage)?.with_sim(sim);
+        let mut replica = Replica::new(&manifest.config, stage)?
+            .with_sim(sim)
+            .with_kept_cap(cfg.kept_forwards);
         let client = StageClient::new(
             self.net.clone(),
             manifest.id.clone(),
