@@ -132,6 +132,9 @@ pub struct SwarmTrainArgs {
     /// `round-robin` (a blind baseline for benchmarks).
     #[arg(long, default_value = "wiring", value_name = "HOW", hide = true)]
     routing: String,
+    /// Seconds a stage call may take before the microbatch is swapped to another replica.
+    #[arg(long, default_value_t = 20.0, value_name = "SECS")]
+    call_timeout: f64,
 }
 
 #[derive(Args)]
@@ -388,6 +391,10 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     cfg.trainer.index = a.data_index;
     cfg.trainer.sync_steps = !a.no_sync_steps;
     cfg.trainer.routing = a.routing.parse().map_err(anyhow::Error::msg)?;
+    if !(a.call_timeout.is_finite() && a.call_timeout > 0.0 && a.call_timeout <= 86_400.0) {
+        bail!("--call-timeout must be a number of seconds between 0 and 86400");
+    }
+    cfg.trainer.call_timeout = Duration::from_secs_f64(a.call_timeout);
     let report_ms = a.report_ms.max(50);
     let rt = runtime()?;
     rt.block_on(async move {
@@ -422,6 +429,11 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
             if let Ok(f) = s.failures.lock() {
                 for (reason, n) in f.iter() {
                     println!("  failed {n} samples: {reason}");
+                }
+            }
+            if let Ok(r) = s.swap_reasons.lock() {
+                for (reason, n) in r.iter() {
+                    println!("  swapped {n} calls: {reason}");
                 }
             }
         }

@@ -58,6 +58,8 @@ pub struct Setup {
     pub churn: Option<Duration>,
     /// The trainers' `--routing`.
     pub routing: &'static str,
+    /// The trainers' `--call-timeout` (seconds); `None`: their default.
+    pub call_timeout: Option<f64>,
 }
 
 /// What one setup measured.
@@ -87,6 +89,8 @@ pub struct Row {
     pub vanished: i64,
     /// Replicas killed (churn).
     pub killed: usize,
+    /// Calls the trainers repeated on another replica.
+    pub swaps: u64,
     /// Per stage, the replicas' counters summed (from the lines they print on stop).
     pub stages: Vec<StageTimes>,
     /// The stage whose breakdown explains the row (the bottleneck, or the slowest).
@@ -197,6 +201,7 @@ impl Row {
             "failed": self.failed,
             "vanished": self.vanished,
             "killed": self.killed,
+            "swaps": self.swaps,
             "focus_stage": self.focus,
             "stages": self.stages.iter().map(|t| t.to_json()).collect::<Vec<_>>(),
         })
@@ -204,13 +209,13 @@ impl Row {
 }
 
 /// Header of the table [`Row::line`] prints.
-pub const HEADER: &str = "scenario                   samples/s    bound  efficiency  bytes/sample  bottleneck            util  failed  vanished";
+pub const HEADER: &str = "scenario                   samples/s    bound  efficiency  bytes/sample  bottleneck            util  failed  vanished   swaps";
 
 impl Row {
     /// One table line.
     pub fn line(&self) -> String {
         format!(
-            "{:<24} {:>11.1} {:>8.1} {:>11.2} {:>13.0}  {:<20} {:>5.2} {:>7} {:>9}",
+            "{:<24} {:>11.1} {:>8.1} {:>11.2} {:>13.0}  {:<20} {:>5.2} {:>7} {:>9} {:>7}",
             self.scenario,
             self.samples_per_s,
             self.bound,
@@ -219,7 +224,8 @@ impl Row {
             self.bottleneck,
             self.utilisation,
             self.failed,
-            self.vanished
+            self.vanished,
+            self.swaps
         )
     }
 }
@@ -278,6 +284,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
         concurrency: opts.concurrency,
         churn: None,
         routing: "wiring",
+        call_timeout: None,
     };
     Some(match name {
         "homogeneous" => vec![homogeneous("homogeneous", int8z)],
@@ -299,9 +306,13 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
                     r.slowdown = 4.0;
                 }
             }
+            // The fixed assignment: a blind rotation that never steers around the slow
+            // replica. Its queue is deep enough never to refuse (see `replica_args`) and
+            // calls never time out, so nothing adapts it.
             let mut fixed = s.clone();
             fixed.label = "heterogeneous/round-robin".into();
             fixed.routing = "round-robin";
+            fixed.call_timeout = Some(3600.0);
             vec![s, fixed]
         }
         "churn" => {
@@ -412,6 +423,12 @@ fn trainer_args(setup: &Setup, id: &str, boot: &str, link: &LinkSpec, idx: usize
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(
+        setup
+            .call_timeout
+            .into_iter()
+            .flat_map(|t| ["--call-timeout".to_string(), t.to_string()]),
+    )
     .collect()
 }
 
@@ -467,11 +484,18 @@ fn announced_throughput(line: &str) -> Option<f64> {
     rest.strip_suffix(" samples/s")?.trim().parse().ok()
 }
 
-fn drain(trainers: &mut [Proc], last: &mut [Progress]) {
+/// Reads the trainers' output: their latest progress, and the reasons they print for
+/// failed samples and swapped calls (`  failed N samples: why`) into `why`.
+fn drain(trainers: &mut [Proc], last: &mut [Progress], why: &mut Vec<String>) {
     for (i, t) in trainers.iter_mut().enumerate() {
         while let Ok(l) = t.lines.try_recv() {
             if let Some(p) = Progress::parse(l.trim_start_matches("done: ")) {
                 last[i] = p;
+            } else if ["failed ", "swapped "]
+                .iter()
+                .any(|p| l.trim_start().starts_with(p))
+            {
+                why.push(format!("{}: {}", t.name, l.trim()));
             }
         }
     }
@@ -532,6 +556,7 @@ fn run_in(
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
     }
     let mut last = vec![Progress::default(); trainers.len()];
+    let mut why = Vec::new();
     let started = Instant::now();
     let warm_end = started + Duration::from_secs_f64(opts.warmup);
     let end = warm_end + Duration::from_secs_f64(opts.seconds);
@@ -541,7 +566,7 @@ fn run_in(
     let mut next_print = started;
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
-        drain(&mut trainers, &mut last);
+        drain(&mut trainers, &mut last, &mut why);
         let now = Instant::now();
         if at_warm.is_none() && now >= warm_end {
             at_warm = Some((now, sum(&last)));
@@ -581,7 +606,7 @@ fn run_in(
             ));
         }
     }
-    drain(&mut trainers, &mut last);
+    drain(&mut trainers, &mut last, &mut why);
     let fin = sum(&last);
     let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
@@ -597,8 +622,11 @@ fn run_in(
     // line gives the final accounting.
     stop_all(trainers.iter_mut(), Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(300));
-    drain(&mut trainers, &mut last);
+    drain(&mut trainers, &mut last, &mut why);
     let end_p = sum(&last);
+    for w in &why {
+        out(format!("  {w}"));
+    }
     // Each peer prints its counters as it stops.
     stop_all(peers.iter_mut().map(|(_, p)| p), Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(50));
@@ -642,6 +670,7 @@ fn run_in(
         failed: end_p.failed,
         vanished: end_p.fed as i64 - end_p.completed as i64 - end_p.failed as i64,
         killed,
+        swaps: end_p.swaps,
         stages,
         focus,
     })

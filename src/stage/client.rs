@@ -80,6 +80,15 @@ pub struct ClientCounters {
     pub raw: AtomicU64,
     /// The highest step any replica answered with.
     pub step: AtomicU64,
+    /// Per replica, the queue it reported in its latest answer.
+    queues: std::sync::Mutex<std::collections::HashMap<PeerId, u32>>,
+}
+
+impl ClientCounters {
+    /// The queue `peer` reported in its latest answer to this client, if it answered.
+    pub fn last_queue(&self, peer: &PeerId) -> Option<u32> {
+        self.queues.lock().ok()?.get(peer).copied()
+    }
 }
 
 /// Calls stages of one run.
@@ -183,6 +192,9 @@ impl StageClient {
             .received
             .fetch_add(got as u64, Ordering::Relaxed);
         self.counters.step.fetch_max(header.step, Ordering::Relaxed);
+        if let Ok(mut q) = self.counters.queues.lock() {
+            q.insert(peer, header.queue);
+        }
         if let Some(e) = header.error {
             return Err(CallError::Remote {
                 kind: e.kind,

@@ -416,14 +416,20 @@ async fn read_request(
     Ok((req, frames))
 }
 
+/// How long a caller may take to read its answer before the stream is dropped.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
 async fn respond(stream: &mut libp2p::Stream, reply: &Reply) {
     let frames: Vec<&[u8]> = reply.frames.iter().map(|f| f.as_slice()).collect();
-    if netio::write_message(stream, &reply.header, &frames)
-        .await
-        .is_ok()
-    {
-        let _ = stream.close().await;
-    }
+    let write = async {
+        if netio::write_message(stream, &reply.header, &frames)
+            .await
+            .is_ok()
+        {
+            let _ = stream.close().await;
+        }
+    };
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
 }
 
 fn refusal(shared: &Shared, kind: ErrorKind, message: impl Into<String>) -> Reply {
@@ -444,7 +450,7 @@ fn ok(shared: &Shared, tensors: u8) -> Response {
 }
 
 async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
-    let Ok(_permit) = Arc::clone(&shared.readers).try_acquire_owned() else {
+    let Ok(permit) = Arc::clone(&shared.readers).try_acquire_owned() else {
         let r = refusal(&shared, ErrorKind::Overloaded, "too many open calls");
         respond(&mut stream, &r).await;
         return;
@@ -456,6 +462,9 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
     )
     .await;
     let read_us = t_read.elapsed().as_micros() as u64;
+    // The permit bounds requests being read; once read, a call waits in the queue, whose
+    // own cap bounds it.
+    drop(permit);
     let (req, frames) = match read {
         Err(_) => {
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);

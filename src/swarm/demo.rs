@@ -446,6 +446,7 @@ pub(crate) fn sum(ps: &[Progress]) -> Progress {
         fed: ps.iter().map(|p| p.fed).sum(),
         completed: ps.iter().map(|p| p.completed).sum(),
         failed: ps.iter().map(|p| p.failed).sum(),
+        swaps: ps.iter().map(|p| p.swaps).sum(),
         wire: ps.iter().map(|p| p.wire).sum(),
         raw: ps.iter().map(|p| p.raw).sum(),
     }

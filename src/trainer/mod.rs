@@ -100,6 +100,8 @@ pub struct TrainerStats {
     pub stage_steps: Vec<AtomicU64>,
     /// Calls repeated on another replica.
     pub swaps: AtomicU64,
+    /// Why calls were repeated elsewhere: error kind → count.
+    pub swap_reasons: Mutex<BTreeMap<String, u64>>,
 }
 
 impl TrainerStats {
@@ -114,6 +116,7 @@ impl TrainerStats {
             step: AtomicU64::new(0),
             stage_steps: (0..stages).map(|_| AtomicU64::new(0)).collect(),
             swaps: AtomicU64::new(0),
+            swap_reasons: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -274,6 +277,10 @@ async fn refresh(ctx: &Ctx) {
                 st.measured = old.measured;
                 st.in_flight = old.in_flight;
                 st.banned_until = old.banned_until;
+                // A replica's own answer is fresher than its announcement.
+                if ctx.client.counters().last_queue(peer).is_some() {
+                    st.queue = old.queue;
+                }
             }
         }
     }
@@ -418,6 +425,17 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     }
 }
 
+/// A short label of why a call is repeated elsewhere.
+fn swap_reason(e: &CallError) -> String {
+    match e {
+        CallError::Remote { kind, .. } => format!("refused ({kind})"),
+        CallError::Timeout(_) => "timed out".into(),
+        CallError::Io(_) => "stream broke".into(),
+        CallError::Net(_) => "unreachable".into(),
+        CallError::Wire(_) | CallError::Protocol(_) => "bad reply".into(),
+    }
+}
+
 /// Runs `call` on a replica of stage `s` (the preferred one when usable), swapping to
 /// another replica on failure until the stage deadline.
 async fn call_stage<T, F, Fut>(
@@ -494,6 +512,9 @@ where
                 if let Some((_, st)) = entry {
                     st.in_flight = st.in_flight.saturating_sub(1);
                     st.observe(samples as f64, secs);
+                    if let Some(q) = ctx.client.counters().last_queue(&peer) {
+                        st.queue = q;
+                    }
                 }
                 return Ok((peer, v));
             }
@@ -529,6 +550,9 @@ where
                     st.banned_until = Some(Instant::now() + ban);
                 }
                 ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut m) = ctx.stats.swap_reasons.lock() {
+                    *m.entry(swap_reason(&e)).or_default() += 1;
+                }
                 last_err = format!("{peer}: {e}");
             }
         }

@@ -1,6 +1,6 @@
 //! The one-line progress report of trainer loops, printed by `shoal train` and parsed by
 //! the demo. Format (space separated `key value` pairs after `trainers:`):
-//! `trainers: step S loss L fed F completed C failed X wire W raw R`.
+//! `trainers: step S loss L fed F completed C failed X wire W raw R swaps N`.
 
 use super::TrainerStats;
 use std::sync::atomic::Ordering::Relaxed;
@@ -23,6 +23,8 @@ pub struct Progress {
     pub wire: u64,
     /// The same tensors as f32.
     pub raw: u64,
+    /// Calls repeated on another replica after one failed or refused.
+    pub swaps: u64,
 }
 
 impl Progress {
@@ -41,14 +43,22 @@ impl Progress {
             failed: stats.iter().map(|s| s.failed.load(Relaxed)).sum(),
             wire: bytes.0,
             raw: bytes.1,
+            swaps: stats.iter().map(|s| s.swaps.load(Relaxed)).sum(),
         }
     }
 
     /// The printed line.
     pub fn line(&self) -> String {
         format!(
-            "trainers: step {} loss {:.4} fed {} completed {} failed {} wire {} raw {}",
-            self.step, self.loss, self.fed, self.completed, self.failed, self.wire, self.raw
+            "trainers: step {} loss {:.4} fed {} completed {} failed {} wire {} raw {} swaps {}",
+            self.step,
+            self.loss,
+            self.fed,
+            self.completed,
+            self.failed,
+            self.wire,
+            self.raw,
+            self.swaps
         )
     }
 
@@ -70,6 +80,7 @@ impl Progress {
             failed: get("failed")?.parse().ok()?,
             wire: get("wire")?.parse().ok()?,
             raw: get("raw")?.parse().ok()?,
+            swaps: get("swaps").and_then(|v| v.parse().ok()).unwrap_or(0),
         })
     }
 }
@@ -88,6 +99,7 @@ mod tests {
             failed: 16,
             wire: 1000,
             raw: 4000,
+            swaps: 2,
         };
         assert_eq!(Progress::parse(&p.line()), Some(p));
         assert_eq!(Progress::parse("step 3"), None);

@@ -3,9 +3,13 @@
 //! Pure: a function of the replicas' state, the time and a random draw. Each replica's
 //! expected finish time for `work` samples is (requests ahead of ours + 1) × work over its
 //! throughput, where throughput blends what this trainer measured with what the replica
-//! announced. A replica is drawn with probability ∝ 1 / finish², which sends most work to
-//! the fastest-finishing replica but keeps every live one in use, so load spreads and fresh
-//! measurements keep coming (the spirit of SWARM's interleaved weighted round robin).
+//! announced, and the queue is the one the replica reported in its latest answer (else its
+//! announcement). A replica is drawn with probability ∝ 1 / finish⁴, which sends most work
+//! to the fastest-finishing replica but keeps every live one in use, so load spreads and
+//! fresh measurements keep coming (the spirit of SWARM's interleaved weighted round
+//! robin). The power sets how evenly finish times end up: with 1/finish^k a replica 4×
+//! slower settles where its finish time is 4^(1/k) times the fast one's, so k = 2 let a
+//! slow replica's queue hold twice the wait of a fast one's, and k = 4 holds it to 1.4×.
 
 use crate::rng::Rng;
 use std::time::Instant;
@@ -108,7 +112,7 @@ pub fn choose(replicas: &[ReplicaState], work: f64, now: Instant, rng: &mut Rng)
         .map(|r| {
             if r.usable(now) {
                 let t = r.expected_finish(work);
-                1.0 / (t * t).max(1e-12)
+                1.0 / (t * t * t * t).max(1e-30)
             } else {
                 0.0
             }
