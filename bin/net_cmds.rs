@@ -103,6 +103,10 @@ pub struct PeerArgs {
     /// microbatches are in flight through this peer.
     #[arg(long, default_value_t = 32, value_name = "N")]
     keep_forwards: usize,
+    /// Print the replica's counters every this many milliseconds (0: only on stop), so a
+    /// benchmark can take the difference over its measured window.
+    #[arg(long, default_value_t = 0, value_name = "MS", hide = true)]
+    counters_ms: u64,
 }
 
 #[derive(Args)]
@@ -325,19 +329,29 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
         let log = |line: String| println!("{line}");
         let peer = Peer::start(cfg, log).await?;
         println!("peer {} ready; Ctrl-C to stop", peer.net().local_peer_id());
-        if peer.trainers().is_empty() {
-            shutdown_signal().await;
-        } else {
-            let stats: Vec<_> = peer
-                .trainers()
-                .iter()
-                .map(|t| std::sync::Arc::clone(t.stats()))
-                .collect();
-            loop {
-                tokio::select! {
-                    _ = shutdown_signal() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+        let stats: Vec<_> = peer
+            .trainers()
+            .iter()
+            .map(|t| std::sync::Arc::clone(t.stats()))
+            .collect();
+        let counters_every = (a.counters_ms > 0).then(|| Duration::from_millis(a.counters_ms));
+        let report_every = Duration::from_secs(5);
+        let tick = counters_every.map_or(report_every, |c| c.min(report_every));
+        let mut reported = std::time::Instant::now();
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(tick) => {}
+            }
+            if counters_every.is_some() {
+                if let Some(s) = peer.service() {
+                    println!("stage {} {}", s.stage(), s.counters().line());
                 }
+            }
+            if !stats.is_empty() && reported.elapsed() >= report_every {
+                reported = std::time::Instant::now();
                 println!("{}", trainer_line(&stats, &peer));
             }
         }
@@ -667,7 +681,12 @@ pub fn bench_swarm(
         println!("{}", bs::HEADER);
         println!("{}", row.line());
         if let Some(t) = row.stages.get(row.focus) {
-            println!("  stage {} ({}) {}", row.focus, row.bottleneck, t.line());
+            println!(
+                "  stage {} (bound: {}) {}",
+                row.focus,
+                row.bottleneck,
+                t.line()
+            );
         }
         rows.push(row);
     }

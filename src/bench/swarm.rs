@@ -15,6 +15,7 @@
 use crate::config::{RunConfig, StageKind};
 use crate::dht::Manifest;
 use crate::net::link::LinkSpec;
+use crate::stage::service::CounterValues;
 use crate::swarm::demo::{peer_args, spawn_bootstrap, stop_all, sum, DemoError, Proc};
 use crate::trainer::report::Progress;
 use crate::wire::CodecSpec;
@@ -116,32 +117,52 @@ pub struct StageTimes {
     pub in_mb: f64,
     /// See `in_mb`.
     pub out_mb: f64,
+    /// Milliseconds of wall time the counters cover, summed over replicas (0: unknown).
+    pub window_ms: f64,
 }
 
 impl StageTimes {
-    /// Parses `stage S replica counters: jobs N compute_ms X ...` into (S, times).
+    /// Parses `stage S replica counters: ...` (what a peer prints on stop: its stage, then
+    /// [`crate::stage::service::Counters::line`]) into (S, times).
     pub fn parse(line: &str) -> Option<(usize, Self)> {
         let rest = line.trim().strip_prefix("stage ")?;
         let (stage, rest) = rest.split_once(' ')?;
-        let rest = rest.strip_prefix("replica counters:")?;
-        let words: Vec<&str> = rest.split_whitespace().collect();
-        let get = |k: &str| -> Option<f64> {
-            let i = words.iter().position(|w| *w == k)?;
-            words.get(i + 1)?.parse().ok()
-        };
+        let v = CounterValues::parse(rest)?;
         Some((
             stage.parse().ok()?,
             Self {
-                jobs: get("jobs")?,
-                compute_ms: get("compute_ms")?,
-                queue_ms: get("queue_ms")?,
-                read_ms: get("read_ms")?,
-                write_ms: get("write_ms")?,
-                codec_ms: get("decode_ms")? + get("encode_ms")?,
-                in_mb: get("stage_in_mb")?,
-                out_mb: get("stage_out_mb")?,
+                jobs: v.jobs,
+                compute_ms: v.compute_ms,
+                queue_ms: v.queue_ms,
+                read_ms: v.read_ms,
+                write_ms: v.write_ms,
+                codec_ms: v.decode_ms + v.encode_ms,
+                in_mb: v.stage_in_mb,
+                out_mb: v.stage_out_mb,
+                window_ms: 0.0,
             },
         ))
+    }
+
+    /// What happened between `earlier` and `self` (two readings of one replica's
+    /// counters `ms` milliseconds apart).
+    pub fn since(&self, earlier: &Self, ms: f64) -> Self {
+        Self {
+            jobs: self.jobs - earlier.jobs,
+            compute_ms: self.compute_ms - earlier.compute_ms,
+            queue_ms: self.queue_ms - earlier.queue_ms,
+            read_ms: self.read_ms - earlier.read_ms,
+            write_ms: self.write_ms - earlier.write_ms,
+            codec_ms: self.codec_ms - earlier.codec_ms,
+            in_mb: self.in_mb - earlier.in_mb,
+            out_mb: self.out_mb - earlier.out_mb,
+            window_ms: ms,
+        }
+    }
+
+    /// Fraction of the window the replicas spent computing.
+    pub fn busy(&self) -> Option<f64> {
+        (self.window_ms > 0.0).then(|| self.compute_ms / self.window_ms)
     }
 
     fn add(&mut self, o: &Self) {
@@ -153,13 +174,18 @@ impl StageTimes {
         self.codec_ms += o.codec_ms;
         self.in_mb += o.in_mb;
         self.out_mb += o.out_mb;
+        self.window_ms += o.window_ms;
     }
 
-    /// Per job: compute, queue wait, network read and write, codec, in ms.
+    /// Busy fraction, then per job: compute, queue wait, network read and write, codec,
+    /// in ms.
     pub fn line(&self) -> String {
         let j = self.jobs.max(1.0);
+        let busy = self
+            .busy()
+            .map_or(String::new(), |b| format!("busy {b:.2}; "));
         format!(
-            "per job: compute {:.1} ms, queue wait {:.1} ms, reading the request {:.1} ms, writing the answer {:.1} ms, encode+decode {:.2} ms; {:.0} jobs, {:.1} MB in, {:.1} MB out",
+            "{busy}per job: compute {:.1} ms, queue wait {:.1} ms, reading the request {:.1} ms, writing the answer {:.1} ms, encode+decode {:.2} ms; {:.0} jobs, {:.1} MB in, {:.1} MB out",
             self.compute_ms / j,
             self.queue_ms / j,
             self.read_ms / j,
@@ -181,6 +207,8 @@ impl StageTimes {
             "codec_ms": self.codec_ms,
             "in_mb": self.in_mb,
             "out_mb": self.out_mb,
+            "window_ms": self.window_ms,
+            "busy": self.busy(),
         })
     }
 }
@@ -288,11 +316,25 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
     };
     Some(match name {
         "homogeneous" => vec![homogeneous("homogeneous", int8z)],
-        "compression" => ["f32", "bf16", "int8", "int8+zstd1"]
-            .iter()
-            .filter_map(|c| c.parse::<CodecSpec>().ok().map(|spec| (c, spec)))
-            .map(|(c, spec)| homogeneous(&format!("compression/{c}"), spec))
-            .collect(),
+        "compression" => {
+            let mut rows: Vec<Setup> = ["f32", "bf16", "int8", "int8+zstd1"]
+                .iter()
+                .filter_map(|c| c.parse::<CodecSpec>().ok().map(|spec| (c, spec)))
+                .map(|(c, spec)| homogeneous(&format!("compression/{c}"), spec))
+                .collect();
+            // At 100 Mbit/s int8 already makes the swarm compute-bound, which caps what
+            // compression can show; on 25 Mbit/s links every codec is link-bound.
+            let slow = link("bw=25mbit,rtt=50ms");
+            for (c, spec) in [("f32", CodecSpec::F32), ("int8+zstd1", int8z)] {
+                let mut s = homogeneous(&format!("compression/{c}@25mbit"), spec);
+                for r in &mut s.replicas {
+                    r.link = slow;
+                }
+                s.trainers = vec![slow; s.trainers.len()];
+                rows.push(s);
+            }
+            rows
+        }
         "heterogeneous" => {
             let mut s = homogeneous("heterogeneous/wiring", int8z);
             // Replicas of stage 1 differ 4x in speed; links alternate 25 and 200 Mbit/s.
@@ -467,6 +509,8 @@ fn replica_args(
             &room,
             "--keep-forwards",
             &room,
+            "--counters-ms",
+            "500",
             "--sim-slowdown",
             &r.slowdown.to_string(),
             "--emulate-link",
@@ -499,6 +543,42 @@ fn drain(trainers: &mut [Proc], last: &mut [Progress], why: &mut Vec<String>) {
             }
         }
     }
+}
+
+/// Each replica's latest counters (by process name): its stage, when they were read, and
+/// their values.
+type Readings = std::collections::HashMap<String, (usize, Instant, StageTimes)>;
+
+/// Reads the counter lines the replicas print every `--counters-ms` into `latest` (their
+/// other output is consumed and dropped).
+fn read_counters(peers: &mut [(usize, Proc)], latest: &mut Readings) {
+    for (_, p) in peers.iter_mut() {
+        while let Ok(l) = p.lines.try_recv() {
+            if let Some((s, t)) = StageTimes::parse(&l) {
+                latest.insert(p.name.clone(), (s, Instant::now(), t));
+            }
+        }
+    }
+}
+
+/// Per replica, the counters over the window between two sets of readings (a replica
+/// that joined inside the window counts from zero at its start).
+fn window(start: &Readings, end: &Readings) -> Vec<(String, usize, StageTimes)> {
+    let mut names: Vec<&String> = end.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let (s, t1, c1) = end.get(name)?;
+            let w = match start.get(name) {
+                Some((_, t0, c0)) => {
+                    c1.since(c0, t1.saturating_duration_since(*t0).as_secs_f64() * 1e3)
+                }
+                None => c1.since(&StageTimes::default(), 0.0),
+            };
+            Some((name.clone(), *s, w))
+        })
+        .collect()
 }
 
 /// Runs one setup; `out` receives progress lines.
@@ -561,15 +641,19 @@ fn run_in(
     let warm_end = started + Duration::from_secs_f64(opts.warmup);
     let end = warm_end + Duration::from_secs_f64(opts.seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
+    let mut latest = Readings::new();
+    let mut warm_readings = Readings::new();
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
     let mut next_print = started;
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
+        read_counters(&mut peers, &mut latest);
         let now = Instant::now();
         if at_warm.is_none() && now >= warm_end {
             at_warm = Some((now, sum(&last)));
+            warm_readings = latest.clone();
         }
         if let (Some(k), Some(period)) = (next_kill, setup.churn) {
             if now >= k {
@@ -607,6 +691,8 @@ fn run_in(
         }
     }
     drain(&mut trainers, &mut last, &mut why);
+    read_counters(&mut peers, &mut latest);
+    let end_readings = latest.clone();
     let fin = sum(&last);
     let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
@@ -627,26 +713,31 @@ fn run_in(
     for w in &why {
         out(format!("  {w}"));
     }
-    // Each peer prints its counters as it stops.
     stop_all(peers.iter_mut().map(|(_, p)| p), Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(50));
+    // The breakdown covers the measured window only: the difference of the readings
+    // taken as it opened and as it closed.
     let mut stages = vec![StageTimes::default(); setup.run.stages.count];
-    for (_, p) in peers {
-        while let Ok(l) = p.lines.try_recv() {
-            if let Some((s, t)) = StageTimes::parse(&l) {
-                out(format!("  {}: {}", p.name, t.line()));
-                if let Some(acc) = stages.get_mut(s) {
-                    acc.add(&t);
-                }
-            }
+    for (name, s, t) in window(&warm_readings, &end_readings) {
+        out(format!("  {name}: {}", t.line()));
+        if let Some(acc) = stages.get_mut(s) {
+            acc.add(&t);
         }
     }
     boot.stop();
     let (b, what, slowest) = bound(setup, &compute, ratio);
-    let focus = what
-        .strip_prefix("stage ")
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
+    // Where compute binds, the busiest stage is the one holding the swarm back (stages
+    // whose bounds tie differ in how busy they actually are).
+    let busiest = (0..stages.len())
+        .filter_map(|i| stages[i].busy().map(|b| (i, b)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
+        .filter(|_| what.ends_with("compute"));
+    let focus = busiest
+        .or_else(|| {
+            what.strip_prefix("stage ")
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+        })
         .unwrap_or_else(|| {
             // The trainers bind: explain the stage that waits longest on the network.
             (0..stages.len())
@@ -729,7 +820,15 @@ mod tests {
             announced_throughput("serving stage 1 of 4 on cpu: 250.0 samples/s"),
             Some(250.0)
         );
-        let (s, t) = StageTimes::parse("stage 2 replica counters: jobs 10 compute_ms 200.0 queue_ms 50.0 read_ms 30.0 write_ms 5.0 decode_ms 1.0 encode_ms 2.0 stage_in_mb 1.50 stage_out_mb 0.75 avg_in_mb 0.10 state_out_mb 0.00 refused 0 dropped 0").unwrap();
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = crate::stage::service::Counters::default();
+        c.jobs.store(10, Relaxed);
+        c.compute_us.store(200_000, Relaxed);
+        c.decode_us.store(1_000, Relaxed);
+        c.encode_us.store(2_000, Relaxed);
+        c.stage_in.store(1_500_000, Relaxed);
+        // The line exactly as a peer prints it on stop.
+        let (s, t) = StageTimes::parse(&format!("stage 2 {}", c.line())).unwrap();
         assert_eq!(s, 2);
         assert_eq!(
             (t.jobs, t.compute_ms, t.codec_ms, t.in_mb),

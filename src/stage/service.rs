@@ -113,6 +113,53 @@ impl Counters {
     }
 }
 
+/// The values of a [`Counters::line`], read back (by `shoal bench`): the parser lives
+/// beside the format so that the two change together.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CounterValues {
+    /// Forward and backward jobs run.
+    pub jobs: f64,
+    /// Milliseconds computing.
+    pub compute_ms: f64,
+    /// Milliseconds jobs waited in the queue.
+    pub queue_ms: f64,
+    /// Milliseconds reading requests.
+    pub read_ms: f64,
+    /// Milliseconds writing answers.
+    pub write_ms: f64,
+    /// Milliseconds decoding tensors.
+    pub decode_ms: f64,
+    /// Milliseconds encoding tensors.
+    pub encode_ms: f64,
+    /// Frame MB into forward and backward calls.
+    pub stage_in_mb: f64,
+    /// Frame MB out of them.
+    pub stage_out_mb: f64,
+}
+
+impl CounterValues {
+    /// Parses `replica counters: jobs N compute_ms X ...` (what [`Counters::line`] prints).
+    pub fn parse(line: &str) -> Option<Self> {
+        let rest = line.trim().strip_prefix("replica counters:")?;
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        let get = |k: &str| -> Option<f64> {
+            let i = words.iter().position(|w| *w == k)?;
+            words.get(i + 1)?.parse().ok()
+        };
+        Some(Self {
+            jobs: get("jobs")?,
+            compute_ms: get("compute_ms")?,
+            queue_ms: get("queue_ms")?,
+            read_ms: get("read_ms")?,
+            write_ms: get("write_ms")?,
+            decode_ms: get("decode_ms")?,
+            encode_ms: get("encode_ms")?,
+            stage_in_mb: get("stage_in_mb")?,
+            stage_out_mb: get("stage_out_mb")?,
+        })
+    }
+}
+
 /// What a replica reports about its training state (cached for the async side).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReplicaStatus {
@@ -904,4 +951,28 @@ pub fn measure_throughput(
     }
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
     Ok((n * batch) as f64 / secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counter_lines_parse_back() {
+        let c = Counters::default();
+        c.jobs.store(10, Ordering::Relaxed);
+        c.compute_us.store(200_000, Ordering::Relaxed);
+        c.queue_us.store(50_000, Ordering::Relaxed);
+        c.decode_us.store(1_000, Ordering::Relaxed);
+        c.encode_us.store(2_000, Ordering::Relaxed);
+        c.stage_in.store(1_500_000, Ordering::Relaxed);
+        let v = CounterValues::parse(&c.line()).unwrap();
+        assert_eq!(
+            (v.jobs, v.compute_ms, v.queue_ms, v.decode_ms, v.encode_ms),
+            (10.0, 200.0, 50.0, 1.0, 2.0)
+        );
+        assert_eq!(v.stage_in_mb, 1.5);
+        assert!(CounterValues::parse("replica counters: jobs 1").is_none());
+        assert!(CounterValues::parse("jobs 1 compute_ms 2").is_none());
+    }
 }
