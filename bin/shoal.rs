@@ -168,8 +168,9 @@ enum BenchCommand {
         /// Seconds of warm-up before measuring.
         #[arg(long, default_value_t = 8.0, value_name = "SECS")]
         warmup: f64,
-        /// Microbatches each trainer keeps in flight (enough to cover the links' latency).
-        #[arg(long, default_value_t = 64, value_name = "N")]
+        /// Microbatches each trainer keeps in flight: enough that every replica's queue
+        /// stays fed across the links' latency (see BENCHMARKS.md for a sweep).
+        #[arg(long, default_value_t = 96, value_name = "N")]
         concurrency: usize,
         /// Also write the rows as a JSON array here.
         #[arg(long, value_name = "PATH")]
