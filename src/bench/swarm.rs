@@ -549,33 +549,33 @@ fn drain(trainers: &mut [Proc], last: &mut [Progress], why: &mut Vec<String>) {
 /// their values.
 type Readings = std::collections::HashMap<String, (usize, Instant, StageTimes)>;
 
-/// Reads the counter lines the replicas print every `--counters-ms` into `latest` (their
-/// other output is consumed and dropped).
-fn read_counters(peers: &mut [(usize, Proc)], latest: &mut Readings) {
+/// Reads the counter lines the replicas print every `--counters-ms` into `latest`, and
+/// each replica's first reading into `first` (their other output is consumed and
+/// dropped).
+fn read_counters(peers: &mut [(usize, Proc)], latest: &mut Readings, first: &mut Readings) {
     for (_, p) in peers.iter_mut() {
         while let Ok(l) = p.lines.try_recv() {
             if let Some((s, t)) = StageTimes::parse(&l) {
-                latest.insert(p.name.clone(), (s, Instant::now(), t));
+                let r = (s, Instant::now(), t);
+                first.entry(p.name.clone()).or_insert_with(|| r.clone());
+                latest.insert(p.name.clone(), r);
             }
         }
     }
 }
 
-/// Per replica, the counters over the window between two sets of readings (a replica
-/// that joined inside the window counts from zero at its start).
-fn window(start: &Readings, end: &Readings) -> Vec<(String, usize, StageTimes)> {
+/// Per replica, the counters over the window between two sets of readings. A replica
+/// that joined inside the window counts from its first reading (`first`), one that died
+/// inside it up to its last.
+fn window(start: &Readings, end: &Readings, first: &Readings) -> Vec<(String, usize, StageTimes)> {
     let mut names: Vec<&String> = end.keys().collect();
     names.sort();
     names
         .into_iter()
         .filter_map(|name| {
             let (s, t1, c1) = end.get(name)?;
-            let w = match start.get(name) {
-                Some((_, t0, c0)) => {
-                    c1.since(c0, t1.saturating_duration_since(*t0).as_secs_f64() * 1e3)
-                }
-                None => c1.since(&StageTimes::default(), 0.0),
-            };
+            let (_, t0, c0) = start.get(name).or_else(|| first.get(name))?;
+            let w = c1.since(c0, t1.saturating_duration_since(*t0).as_secs_f64() * 1e3);
             Some((name.clone(), *s, w))
         })
         .collect()
@@ -641,7 +641,7 @@ fn run_in(
     let warm_end = started + Duration::from_secs_f64(opts.warmup);
     let end = warm_end + Duration::from_secs_f64(opts.seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
-    let mut latest = Readings::new();
+    let (mut latest, mut first) = (Readings::new(), Readings::new());
     let mut warm_readings = Readings::new();
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
@@ -649,7 +649,7 @@ fn run_in(
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
-        read_counters(&mut peers, &mut latest);
+        read_counters(&mut peers, &mut latest, &mut first);
         let now = Instant::now();
         if at_warm.is_none() && now >= warm_end {
             at_warm = Some((now, sum(&last)));
@@ -691,7 +691,7 @@ fn run_in(
         }
     }
     drain(&mut trainers, &mut last, &mut why);
-    read_counters(&mut peers, &mut latest);
+    read_counters(&mut peers, &mut latest, &mut first);
     let end_readings = latest.clone();
     let fin = sum(&last);
     let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
@@ -717,7 +717,7 @@ fn run_in(
     // The breakdown covers the measured window only: the difference of the readings
     // taken as it opened and as it closed.
     let mut stages = vec![StageTimes::default(); setup.run.stages.count];
-    for (name, s, t) in window(&warm_readings, &end_readings) {
+    for (name, s, t) in window(&warm_readings, &end_readings, &first) {
         out(format!("  {name}: {}", t.line()));
         if let Some(acc) = stages.get_mut(s) {
             acc.add(&t);
