@@ -636,7 +636,7 @@ pub fn demo(
 
 pub fn bench_swarm(
     scenarios: &str,
-    seconds: f64,
+    (seconds, samples): (f64, Option<u64>),
     warmup: f64,
     concurrency: usize,
     json: Option<PathBuf>,
@@ -648,6 +648,9 @@ pub fn bench_swarm(
     if concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
+    if samples == Some(0) {
+        bail!("--samples must be at least 1");
+    }
     let names: Vec<&str> = if scenarios == "all" {
         bs::SCENARIOS.to_vec()
     } else {
@@ -657,6 +660,7 @@ pub fn bench_swarm(
         exe: std::env::current_exe().context("cannot find the shoal binary to start peers")?,
         warmup,
         seconds,
+        samples,
         concurrency,
     };
     let mut setups = Vec::new();

@@ -162,9 +162,13 @@ enum BenchCommand {
         /// Comma-separated: homogeneous, heterogeneous, compression, churn, real, or all.
         #[arg(long, default_value = "homogeneous", value_name = "NAME")]
         scenario: String,
-        /// Seconds measured per setup, after the warm-up.
+        /// Seconds measured per setup, after the warm-up (with `--samples`, at most).
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
         seconds: f64,
+        /// Close the measured window once this many samples completed after the warm-up
+        /// (or after `--seconds`, whichever comes first).
+        #[arg(long, value_name = "N")]
+        samples: Option<u64>,
         /// Seconds of warm-up before measuring.
         #[arg(long, default_value_t = 8.0, value_name = "SECS")]
         warmup: f64,
@@ -374,11 +378,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 BenchCommand::Swarm {
                     scenario,
                     seconds,
+                    samples,
                     warmup,
                     concurrency,
                     json,
                 },
-        } => net_cmds::bench_swarm(&scenario, seconds, warmup, concurrency, json),
+        } => net_cmds::bench_swarm(&scenario, (seconds, samples), warmup, concurrency, json),
         Command::Bench {
             which:
                 BenchCommand::Transfer {

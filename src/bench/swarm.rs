@@ -265,8 +265,10 @@ pub struct BenchOptions {
     pub exe: PathBuf,
     /// Seconds of warm-up before measuring.
     pub warmup: f64,
-    /// Seconds measured.
+    /// Seconds measured (at most, when `samples` is set).
     pub seconds: f64,
+    /// Close the window once this many samples completed after the warm-up.
+    pub samples: Option<u64>,
     /// Microbatches in flight per trainer.
     pub concurrency: usize,
 }
@@ -655,6 +657,11 @@ fn run_in(
             at_warm = Some((now, sum(&last)));
             warm_readings = latest.clone();
         }
+        if let (Some(n), Some((_, p0))) = (opts.samples, &at_warm) {
+            if sum(&last).completed.saturating_sub(p0.completed) >= n {
+                break;
+            }
+        }
         if let (Some(k), Some(period)) = (next_kill, setup.churn) {
             if now >= k {
                 next_kill = Some(now + period);
@@ -777,6 +784,7 @@ mod tests {
             exe: PathBuf::new(),
             warmup: 0.0,
             seconds: 0.0,
+            samples: None,
             concurrency: 1,
         };
         let s = scenario("homogeneous", &opts).unwrap().remove(0);
@@ -801,6 +809,7 @@ mod tests {
             exe: PathBuf::new(),
             warmup: 0.0,
             seconds: 0.0,
+            samples: None,
             concurrency: 1,
         };
         for name in SCENARIOS {

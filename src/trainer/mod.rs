@@ -276,6 +276,7 @@ async fn refresh(ctx: &Ctx) {
             if let Some((_, old)) = table[s].iter().find(|(p, _)| p == peer) {
                 st.measured = old.measured;
                 st.in_flight = old.in_flight;
+                st.owed = old.owed;
                 st.banned_until = old.banned_until;
                 // A replica's own answer is fresher than its announcement.
                 if ctx.client.counters().last_queue(peer).is_some() {
@@ -339,6 +340,56 @@ fn fail(ctx: &Ctx, n: u64, reason: String) {
     }
 }
 
+/// The backwards a microbatch owes the replicas that ran its forwards (see
+/// [`ReplicaState::owed`]); whatever is still owed when it ends (failed or abandoned) is
+/// settled on drop.
+struct Owed<'a> {
+    ctx: &'a Ctx,
+    by_stage: Vec<Option<PeerId>>,
+}
+
+impl<'a> Owed<'a> {
+    fn new(ctx: &'a Ctx) -> Self {
+        Self {
+            ctx,
+            by_stage: vec![None; ctx.stages],
+        }
+    }
+
+    fn add(&mut self, s: usize, peer: PeerId) {
+        self.by_stage[s] = Some(peer);
+        self.adjust(s, peer, true);
+    }
+
+    /// The backward of stage `s` is being sent: nothing is owed there any more.
+    fn settle(&mut self, s: usize) {
+        if let Some(peer) = self.by_stage[s].take() {
+            self.adjust(s, peer, false);
+        }
+    }
+
+    fn adjust(&self, s: usize, peer: PeerId, up: bool) {
+        let Ok(mut table) = self.ctx.table.lock() else {
+            return;
+        };
+        if let Some((_, st)) = table[s].iter_mut().find(|(p, _)| *p == peer) {
+            st.owed = if up {
+                st.owed + 1
+            } else {
+                st.owed.saturating_sub(1)
+            };
+        }
+    }
+}
+
+impl Drop for Owed<'_> {
+    fn drop(&mut self) {
+        for s in 0..self.by_stage.len() {
+            self.settle(s);
+        }
+    }
+}
+
 async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     let n = b.batch as u64;
     ctx.stats.fed.fetch_add(n, Ordering::Relaxed);
@@ -353,6 +404,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     let last = ctx.stages - 1;
     let mut inputs = vec![x];
     let mut used: Vec<Option<PeerId>> = vec![None; ctx.stages];
+    let mut owed = Owed::new(ctx);
     for s in 0..last {
         let input = inputs[s].clone();
         let r = call_stage(ctx, s, None, n, |peer, step| {
@@ -366,6 +418,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
                 ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
                 ctx.stats.step.fetch_max(step, Ordering::Relaxed);
                 used[s] = Some(peer);
+                owed.add(s, peer);
                 inputs.push(out);
             }
             Err(reason) => return fail(ctx, n, reason),
@@ -374,6 +427,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     let mut upstream = y;
     let mut stage0: Option<(PeerId, u64)> = None;
     for s in (0..=last).rev() {
+        owed.settle(s);
         let input = inputs[s].clone();
         let up = upstream.clone();
         let r = call_stage(ctx, s, used[s], n, |peer, step| {

@@ -2,8 +2,8 @@
 //!
 //! Pure: a function of the replicas' state, the time and a random draw. Each replica's
 //! expected finish time for `work` samples is (requests ahead of ours + 1) × work over its
-//! throughput, where throughput blends what this trainer measured with what the replica
-//! announced, and the queue is the one the replica reported in its latest answer (else its
+//! throughput (ahead: its queue, our calls in flight to it, and the backwards we owe it),
+//! where throughput blends what this trainer measured with what the replica announced, and the queue is the one the replica reported in its latest answer (else its
 //! announcement). A replica is drawn with probability ∝ 1 / finish⁴, which sends most work
 //! to the fastest-finishing replica but keeps every live one in use, so load spreads and
 //! fresh measurements keep coming (the spirit of SWARM's interleaved weighted round
@@ -25,6 +25,12 @@ pub struct ReplicaState {
     pub queue: u32,
     /// This trainer's calls in flight to it.
     pub in_flight: u32,
+    /// Backward passes this trainer still owes it: microbatches whose forward it ran
+    /// and whose backward will come back to it. Without them a replica looks free while
+    /// the backwards of the forwards it already took are still on their way (up to a
+    /// whole pipeline's worth with many microbatches in flight), and a slow replica is
+    /// handed more forwards than it can keep up with.
+    pub owed: u32,
     /// Not used before this instant (after a failure).
     pub banned_until: Option<Instant>,
 }
@@ -37,6 +43,7 @@ impl ReplicaState {
             measured: None,
             queue,
             in_flight: 0,
+            owed: 0,
             banned_until: None,
         }
     }
@@ -52,7 +59,8 @@ impl ReplicaState {
 
     /// Seconds until `work` samples sent now would be done.
     pub fn expected_finish(&self, work: f64) -> f64 {
-        (self.queue as f64 + self.in_flight as f64 + 1.0) * work / self.throughput()
+        let ahead = self.queue as f64 + self.in_flight as f64 + self.owed as f64;
+        (ahead + 1.0) * work / self.throughput()
     }
 
     /// Whether it may be used at `now`.
@@ -181,6 +189,19 @@ mod tests {
         reps[1].banned_until = Some(now + Duration::from_secs(5));
         assert_eq!(choose(&reps, 1.0, now, &mut rng), None);
         assert!(choose(&reps, 1.0, now + Duration::from_secs(6), &mut rng).is_some());
+    }
+
+    #[test]
+    fn backwards_owed_count_as_work_ahead() {
+        let now = Instant::now();
+        let mut reps = vec![ReplicaState::announced(100.0, 0); 2];
+        reps[0].owed = 6;
+        assert!(reps[0].expected_finish(16.0) > 6.0 * reps[1].expected_finish(16.0));
+        let mut rng = Rng::new(3);
+        let owed_picks = (0..2_000)
+            .filter(|_| choose(&reps, 16.0, now, &mut rng) == Some(0))
+            .count();
+        assert!(owed_picks < 20, "{owed_picks} of 2000 picks went to the owed replica");
     }
 
     #[test]
