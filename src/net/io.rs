@@ -68,6 +68,15 @@ where
 pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, IoError> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;
+    read_header_after(r, len).await
+}
+
+/// Reads the rest of a header whose 4-byte length prefix `len` was already read (a
+/// server waiting on a kept stream reads the prefix first, then times the rest).
+pub async fn read_header_after<R: AsyncRead + Unpin>(
+    r: &mut R,
+    len: [u8; 4],
+) -> Result<Vec<u8>, IoError> {
     let n = msg::check_header_len(u32::from_le_bytes(len))?;
     let mut buf = vec![0u8; n];
     r.read_exact(&mut buf).await?;

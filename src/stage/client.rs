@@ -16,7 +16,7 @@ use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::PeerId;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why a remote call failed.
 #[derive(Debug, thiserror::Error)]
@@ -91,8 +91,23 @@ impl ClientCounters {
     }
 }
 
+/// Streams kept open per replica after a successful call, for the next call to it.
+type Pool = std::sync::Mutex<std::collections::HashMap<PeerId, Vec<(libp2p::Stream, Instant)>>>;
+
+/// Idle streams kept per replica.
+const POOL_CAP: usize = 64;
+
+/// A kept stream idle longer than this is dropped rather than reused (the server gives up
+/// on a quiet stream after 30 s).
+const POOL_IDLE: Duration = Duration::from_secs(10);
+
 /// Calls stages of one run.
-#[derive(Debug, Clone)]
+///
+/// A stream that carried a successful call is kept and reused for the next call to the
+/// same replica: opening a stream costs a round trip of protocol negotiation, and
+/// libp2p-stream negotiates one outbound stream per connection at a time, which capped a
+/// trainer at about one call per round trip to each replica.
+#[derive(Clone)]
 pub struct StageClient {
     net: NetHandle,
     run: String,
@@ -101,6 +116,16 @@ pub struct StageClient {
     timeout: Duration,
     device: Device,
     counters: Arc<ClientCounters>,
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for StageClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageClient")
+            .field("run", &self.run)
+            .field("codec", &self.codec)
+            .finish()
+    }
 }
 
 impl StageClient {
@@ -114,7 +139,56 @@ impl StageClient {
             timeout: Duration::from_secs(60),
             device: Device::Cpu,
             counters: Arc::new(ClientCounters::default()),
+            pool: Arc::new(Pool::default()),
         }
+    }
+
+    /// A kept stream to `peer`, if one is fresh enough.
+    fn pooled(&self, peer: PeerId) -> Option<libp2p::Stream> {
+        let mut pool = self.pool.lock().ok()?;
+        let idle = pool.get_mut(&peer)?;
+        while let Some((s, at)) = idle.pop() {
+            if at.elapsed() < POOL_IDLE {
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    fn keep(&self, peer: PeerId, stream: libp2p::Stream) {
+        if let Ok(mut pool) = self.pool.lock() {
+            let idle = pool.entry(peer).or_default();
+            idle.retain(|(_, at)| at.elapsed() < POOL_IDLE);
+            if idle.len() < POOL_CAP {
+                idle.push((stream, Instant::now()));
+            }
+        }
+    }
+
+    /// One exchange on a kept stream when there is one (a stale one, closed by the
+    /// server, fails at once with an I/O error and a fresh stream is used), else on a
+    /// new stream; the stream is kept again when the call succeeded.
+    async fn exchange_pooled(
+        &self,
+        peer: PeerId,
+        req: &Request,
+        frames: &[Vec<u8>],
+    ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
+        if let Some(stream) = self.pooled(peer) {
+            let (r, back) = exchange_kept(stream, req, frames, &self.limits).await;
+            if !matches!(r, Err(CallError::Io(_))) {
+                if let Some(b) = back {
+                    self.keep(peer, b);
+                }
+                return r;
+            }
+        }
+        let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
+        let (r, back) = exchange_kept(stream, req, frames, &self.limits).await;
+        if let Some(b) = back {
+            self.keep(peer, b);
+        }
+        r
     }
 
     /// Bytes moved by this client and its clones.
@@ -178,10 +252,7 @@ impl StageClient {
         for f in frames {
             netio::check_frame_len(f.len() as u64, &self.limits)?;
         }
-        let work = async {
-            let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
-            exchange(stream, req, frames, &self.limits).await
-        };
+        let work = self.exchange_pooled(peer, req, frames);
         let (header, reply) = tokio::time::timeout(self.timeout, work)
             .await
             .map_err(|_| CallError::Timeout(self.timeout))??;
@@ -321,7 +392,61 @@ impl StageClient {
     }
 }
 
-/// Writes the request and reads the response concurrently on one stream.
+/// Writes the request and reads the response concurrently on one stream, without closing
+/// it: the stream is handed back when the answer was a success, for the next request (the
+/// server then waits for one on it).
+pub async fn exchange_kept(
+    stream: libp2p::Stream,
+    req: &Request,
+    frames: &[Vec<u8>],
+    limits: &Limits,
+) -> (
+    Result<(Response, Vec<Vec<u8>>), CallError>,
+    Option<libp2p::Stream>,
+) {
+    let (mut r, mut w) = stream.split();
+    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+    let mut wrote = false;
+    let result = {
+        let write = netio::write_message(&mut w, req, &refs);
+        let read = async {
+            let head = netio::read_header(&mut r).await?;
+            let header = msg::decode_response(&head)?;
+            let mut out = Vec::with_capacity(header.tensors as usize);
+            for _ in 0..header.tensors {
+                out.push(netio::read_frame(&mut r, limits).await?);
+            }
+            Ok::<_, IoError>((header, out))
+        };
+        tokio::pin!(write, read);
+        let mut write_err = None;
+        let mut writing = true;
+        loop {
+            tokio::select! {
+                res = &mut write, if writing => {
+                    writing = false;
+                    match res {
+                        Ok(()) => wrote = true,
+                        Err(e) => write_err = Some(e),
+                    }
+                }
+                res = &mut read => {
+                    break match (res, write_err) {
+                        (Ok(x), _) => Ok(x),
+                        (Err(_), Some(we)) => Err(CallError::from(we)),
+                        (Err(re), None) => Err(CallError::from(re)),
+                    };
+                }
+            }
+        }
+    };
+    let reusable = wrote && matches!(&result, Ok((h, _)) if h.error.is_none());
+    let back = if reusable { r.reunite(w).ok() } else { None };
+    (result, back)
+}
+
+/// Writes the request and reads the response concurrently on one stream, closing the
+/// sending side after the request (a one-shot call).
 pub async fn exchange(
     stream: libp2p::Stream,
     req: &Request,

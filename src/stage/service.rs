@@ -17,7 +17,7 @@ use crate::net::{NetError, NetHandle};
 use crate::wire::msg::{self, AvgMsg, ErrorKind, Op, Request, Response, StateInfo};
 use crate::wire::{CodecSpec, Limits};
 use candle_core::{DType, Tensor};
-use futures::{AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use libp2p::PeerId;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -453,8 +453,9 @@ impl StageService {
 async fn read_request(
     stream: &mut libp2p::Stream,
     limits: &Limits,
+    len: [u8; 4],
 ) -> Result<(Request, Vec<Vec<u8>>), IoError> {
-    let head = netio::read_header(stream).await?;
+    let head = netio::read_header_after(stream, len).await?;
     let req = msg::decode_request(&head)?;
     let mut frames = Vec::with_capacity(req.tensors as usize);
     for _ in 0..req.tensors {
@@ -466,17 +467,24 @@ async fn read_request(
 /// How long a caller may take to read its answer before the stream is dropped.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
-async fn respond(stream: &mut libp2p::Stream, reply: &Reply) {
+/// How long a kept stream may wait for its caller's next request.
+const IDLE_STREAM: Duration = Duration::from_secs(30);
+
+/// Writes `reply`. A success leaves the stream open for the caller's next request (its
+/// client keeps streams for reuse: no new stream, so no protocol negotiation, per call);
+/// anything else closes it. Returns whether the stream may carry another request.
+async fn respond(stream: &mut libp2p::Stream, reply: &Reply) -> bool {
     let frames: Vec<&[u8]> = reply.frames.iter().map(|f| f.as_slice()).collect();
+    let keep = reply.header.error.is_none();
     let write = async {
-        if netio::write_message(stream, &reply.header, &frames)
-            .await
-            .is_ok()
-        {
-            let _ = stream.close().await;
+        netio::write_message(&mut *stream, &reply.header, &frames).await?;
+        if keep {
+            stream.flush().await.map_err(IoError::from)
+        } else {
+            stream.close().await.map_err(IoError::from)
         }
     };
-    let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
+    matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(()))) && keep
 }
 
 fn refusal(shared: &Shared, kind: ErrorKind, message: impl Into<String>) -> Reply {
@@ -496,16 +504,38 @@ fn ok(shared: &Shared, tensors: u8) -> Response {
     Response::ok(shared.step(), shared.queue.load(Ordering::Relaxed), tensors)
 }
 
+/// Serves the requests of one stream, one after another, until the caller closes it,
+/// goes quiet for [`IDLE_STREAM`], or a request is refused.
 async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
+    loop {
+        let mut len = [0u8; 4];
+        match tokio::time::timeout(IDLE_STREAM, stream.read_exact(&mut len)).await {
+            Ok(Ok(())) => {}
+            _ => return,
+        }
+        if !serve_one(&shared, peer, &mut stream, len).await {
+            return;
+        }
+    }
+}
+
+/// Serves one request whose length prefix `len` was read; whether the stream may carry
+/// another.
+async fn serve_one(
+    shared: &Arc<Shared>,
+    peer: PeerId,
+    stream: &mut libp2p::Stream,
+    len: [u8; 4],
+) -> bool {
     let Ok(permit) = Arc::clone(&shared.readers).try_acquire_owned() else {
-        let r = refusal(&shared, ErrorKind::Overloaded, "too many open calls");
-        respond(&mut stream, &r).await;
-        return;
+        let r = refusal(shared, ErrorKind::Overloaded, "too many open calls");
+        respond(stream, &r).await;
+        return false;
     };
     let t_read = Instant::now();
     let read = tokio::time::timeout(
         shared.cfg.read_timeout,
-        read_request(&mut stream, &shared.cfg.limits),
+        read_request(stream, &shared.cfg.limits, len),
     )
     .await;
     let read_us = t_read.elapsed().as_micros() as u64;
@@ -515,44 +545,44 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
     let (req, frames) = match read {
         Err(_) => {
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+            return false;
         }
         Ok(Err(IoError::Io(_))) => {
             // Truncated or reset: there is nobody sensible to answer.
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
             let _ = stream.close().await;
-            return;
+            return false;
         }
         Ok(Err(e)) => {
             let kind = match e {
                 IoError::FrameTooLarge { .. } => ErrorKind::TooLarge,
                 _ => ErrorKind::BadRequest,
             };
-            let r = refusal(&shared, kind, e.to_string());
-            respond(&mut stream, &r).await;
-            return;
+            let r = refusal(shared, kind, e.to_string());
+            respond(stream, &r).await;
+            return false;
         }
         Ok(Ok(x)) => x,
     };
-    if let Some(r) = check(&shared, &req) {
-        respond(&mut stream, &r).await;
-        return;
+    if let Some(r) = check(shared, &req) {
+        respond(stream, &r).await;
+        return false;
     }
     let op = req.op;
     let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
     let draining = shared.draining.load(Ordering::Relaxed);
     if draining && matches!(req.op, Op::Info | Op::Forward | Op::Backward) {
         let r = refusal(
-            &shared,
+            shared,
             ErrorKind::Overloaded,
             "this replica is leaving its stage; use another",
         );
-        respond(&mut stream, &r).await;
-        return;
+        respond(stream, &r).await;
+        return false;
     }
     let reply = match req.op {
         Op::Info => {
-            let mut header = ok(&shared, 0);
+            let mut header = ok(shared, 0);
             header.info = lock(&shared.info).clone();
             shared.counters.served.fetch_add(1, Ordering::Relaxed);
             Reply {
@@ -560,10 +590,10 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
                 frames: Vec::new(),
             }
         }
-        Op::Avg => avg_message(&shared, peer, req, frames),
-        Op::StateInfo => state_info(&shared).await,
-        Op::StateChunk => state_chunk(&shared, &req).await,
-        Op::Forward | Op::Backward => queue_job(&shared, req, frames).await,
+        Op::Avg => avg_message(shared, peer, req, frames),
+        Op::StateInfo => state_info(shared).await,
+        Op::StateChunk => state_chunk(shared, &req).await,
+        Op::Forward | Op::Backward => queue_job(shared, req, frames).await,
     };
     let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
     let c = &shared.counters;
@@ -582,9 +612,10 @@ async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
         Op::Info | Op::StateInfo => {}
     }
     let t_write = Instant::now();
-    respond(&mut stream, &reply).await;
+    let more = respond(stream, &reply).await;
     c.write_us
         .fetch_add(t_write.elapsed().as_micros() as u64, Ordering::Relaxed);
+    more
 }
 
 async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {

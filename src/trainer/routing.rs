@@ -201,7 +201,10 @@ mod tests {
         let owed_picks = (0..2_000)
             .filter(|_| choose(&reps, 16.0, now, &mut rng) == Some(0))
             .count();
-        assert!(owed_picks < 20, "{owed_picks} of 2000 picks went to the owed replica");
+        assert!(
+            owed_picks < 20,
+            "{owed_picks} of 2000 picks went to the owed replica"
+        );
     }
 
     #[test]
