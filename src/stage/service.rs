@@ -33,7 +33,8 @@ pub const MAX_STALENESS: u64 = 1;
 pub struct ServiceConfig {
     /// Requests that may wait or run at once; more are answered `overloaded`.
     pub queue_cap: usize,
-    /// Streams that may be reading their request at once.
+    /// Streams that may be reading their request at once; more wait (up to
+    /// `read_timeout`) for their turn.
     pub max_readers: usize,
     /// Bounds on every tensor frame.
     pub limits: Limits,
@@ -527,7 +528,16 @@ async fn serve_one(
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> bool {
-    let Ok(permit) = Arc::clone(&shared.readers).try_acquire_owned() else {
+    // With more requests arriving than may be read at once, the rest wait their turn (their
+    // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
+    // being refused: a refused request would be sent again in full elsewhere, over links
+    // that are the bottleneck when requests pile up like this.
+    let permit = tokio::time::timeout(
+        shared.cfg.read_timeout,
+        Arc::clone(&shared.readers).acquire_owned(),
+    )
+    .await;
+    let Ok(Ok(permit)) = permit else {
         let r = refusal(shared, ErrorKind::Overloaded, "too many open calls");
         respond(stream, &r).await;
         return false;
