@@ -117,7 +117,14 @@ pub struct StageClient {
     device: Device,
     counters: Arc<ClientCounters>,
     pool: Arc<Pool>,
+    sending: Arc<tokio::sync::Semaphore>,
 }
+
+/// Requests a client writes at once. Its uplink is shared by every call in flight: with all
+/// of them writing together, each crawls at a fraction of the link and none reaches its
+/// replica early (over a slow link, not before the call times out); a few at a time go
+/// out at full speed, one after another, and replicas start on them sooner.
+const SENDING: usize = 4;
 
 impl std::fmt::Debug for StageClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -140,6 +147,7 @@ impl StageClient {
             device: Device::Cpu,
             counters: Arc::new(ClientCounters::default()),
             pool: Arc::new(Pool::default()),
+            sending: Arc::new(tokio::sync::Semaphore::new(SENDING)),
         }
     }
 
@@ -175,7 +183,7 @@ impl StageClient {
         frames: &[Vec<u8>],
     ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
         if let Some(stream) = self.pooled(peer) {
-            let (r, back) = exchange_kept(stream, req, frames, &self.limits).await;
+            let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
             if !matches!(r, Err(CallError::Io(_))) {
                 if let Some(b) = back {
                     self.keep(peer, b);
@@ -184,7 +192,7 @@ impl StageClient {
             }
         }
         let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
-        let (r, back) = exchange_kept(stream, req, frames, &self.limits).await;
+        let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
         if let Some(b) = back {
             self.keep(peer, b);
         }
@@ -392,14 +400,15 @@ impl StageClient {
     }
 }
 
-/// Writes the request and reads the response concurrently on one stream, without closing
-/// it: the stream is handed back when the answer was a success, for the next request (the
-/// server then waits for one on it).
+/// Writes the request (once one of `sending`'s permits is free) and reads the response
+/// concurrently on one stream, without closing it: the stream is handed back when the
+/// answer was a success, for the next request (the server then waits for one on it).
 pub async fn exchange_kept(
     stream: libp2p::Stream,
     req: &Request,
     frames: &[Vec<u8>],
     limits: &Limits,
+    sending: &tokio::sync::Semaphore,
 ) -> (
     Result<(Response, Vec<Vec<u8>>), CallError>,
     Option<libp2p::Stream>,
@@ -408,7 +417,10 @@ pub async fn exchange_kept(
     let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
     let mut wrote = false;
     let result = {
-        let write = netio::write_message(&mut w, req, &refs);
+        let write = async {
+            let _slot = sending.acquire().await;
+            netio::write_message(&mut w, req, &refs).await
+        };
         let read = async {
             let head = netio::read_header(&mut r).await?;
             let header = msg::decode_response(&head)?;
