@@ -641,7 +641,18 @@ fn run_in(
     let mut why = Vec::new();
     let started = Instant::now();
     let warm_end = started + Duration::from_secs_f64(opts.warmup);
-    let end = warm_end + Duration::from_secs_f64(opts.seconds);
+    // A churn window holds at least two kills and 5 s after the second, whatever
+    // `--seconds` says (kills come every period from the start).
+    let seconds = match setup.churn {
+        Some(p) => {
+            let p = p.as_secs_f64();
+            let first_inside = (opts.warmup / p).floor() + 1.0;
+            opts.seconds
+                .max((first_inside + 1.0) * p + 5.0 - opts.warmup)
+        }
+        None => opts.seconds,
+    };
+    let end = warm_end + Duration::from_secs_f64(seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
     let (mut latest, mut first) = (Readings::new(), Readings::new());
     let mut warm_readings = Readings::new();
