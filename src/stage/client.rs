@@ -413,13 +413,48 @@ pub async fn exchange_kept(
     Result<(Response, Vec<Vec<u8>>), CallError>,
     Option<libp2p::Stream>,
 ) {
+    exchange_on(stream, req, frames, limits, Some(sending)).await
+}
+
+/// Writes the request and reads the response concurrently on one stream, closing the
+/// sending side after the request (a one-shot call).
+pub async fn exchange(
+    stream: libp2p::Stream,
+    req: &Request,
+    frames: &[Vec<u8>],
+    limits: &Limits,
+) -> Result<(Response, Vec<Vec<u8>>), CallError> {
+    exchange_on(stream, req, frames, limits, None).await.0
+}
+
+/// One request and its answer, read while the request is still being written (a replica
+/// may refuse before it has read everything). With `sending`, the write waits for one of
+/// its permits and the stream stays open, handed back after a successful answer; without,
+/// the sending side is closed after the request and nothing is handed back.
+async fn exchange_on(
+    stream: libp2p::Stream,
+    req: &Request,
+    frames: &[Vec<u8>],
+    limits: &Limits,
+    sending: Option<&tokio::sync::Semaphore>,
+) -> (
+    Result<(Response, Vec<Vec<u8>>), CallError>,
+    Option<libp2p::Stream>,
+) {
     let (mut r, mut w) = stream.split();
     let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
     let mut wrote = false;
     let result = {
         let write = async {
-            let _slot = sending.acquire().await;
-            netio::write_message(&mut w, req, &refs).await
+            let _slot = match sending {
+                Some(s) => s.acquire().await.ok(),
+                None => None,
+            };
+            netio::write_message(&mut w, req, &refs).await?;
+            if sending.is_none() {
+                w.close().await.map_err(IoError::from)?;
+            }
+            Ok::<_, IoError>(())
         };
         let read = async {
             let head = netio::read_header(&mut r).await?;
@@ -452,52 +487,7 @@ pub async fn exchange_kept(
             }
         }
     };
-    let reusable = wrote && matches!(&result, Ok((h, _)) if h.error.is_none());
+    let reusable = sending.is_some() && wrote && matches!(&result, Ok((h, _)) if h.error.is_none());
     let back = if reusable { r.reunite(w).ok() } else { None };
     (result, back)
-}
-
-/// Writes the request and reads the response concurrently on one stream, closing the
-/// sending side after the request (a one-shot call).
-pub async fn exchange(
-    stream: libp2p::Stream,
-    req: &Request,
-    frames: &[Vec<u8>],
-    limits: &Limits,
-) -> Result<(Response, Vec<Vec<u8>>), CallError> {
-    let (mut r, mut w) = stream.split();
-    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
-    let write = async {
-        netio::write_message(&mut w, req, &refs).await?;
-        w.close().await.map_err(IoError::from)
-    };
-    let read = async {
-        let head = netio::read_header(&mut r).await?;
-        let header = msg::decode_response(&head)?;
-        let mut out = Vec::with_capacity(header.tensors as usize);
-        for _ in 0..header.tensors {
-            out.push(netio::read_frame(&mut r, limits).await?);
-        }
-        Ok::<_, IoError>((header, out))
-    };
-    tokio::pin!(write, read);
-    let mut write_err = None;
-    let mut writing = true;
-    loop {
-        tokio::select! {
-            w = &mut write, if writing => {
-                writing = false;
-                if let Err(e) = w {
-                    write_err = Some(e);
-                }
-            }
-            r = &mut read => {
-                return match (r, write_err) {
-                    (Ok(x), _) => Ok(x),
-                    (Err(_), Some(we)) => Err(we.into()),
-                    (Err(re), None) => Err(re.into()),
-                };
-            }
-        }
-    }
 }

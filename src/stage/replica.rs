@@ -225,14 +225,12 @@ impl Replica {
     /// that its backward here needs no recomputation and matches the activations sent on.
     /// `mb` 0 (evaluation) keeps nothing.
     pub fn forward(&mut self, input: &Tensor, mb: u64) -> Result<Tensor, ModelError> {
-        if let Some(sim) = &self.sim {
+        if let Some(sim) = self.sim {
             // Remember the forward as a real stage keeps its graph, so that backward
             // knows whether it would have had to recompute it.
             if mb != 0 && !self.kept_order.contains(&mb) {
                 self.kept_order.push_back(mb);
-                if self.kept_order.len() > self.kept_cap {
-                    self.kept_order.pop_front();
-                }
+                self.keep_within_cap();
             }
             return sim.forward(&self.stage, input);
         }
@@ -244,12 +242,17 @@ impl Replica {
         if self.kept.insert(mb, kept).is_none() {
             self.kept_order.push_back(mb);
         }
+        self.keep_within_cap();
+        Ok(out)
+    }
+
+    /// Drops the oldest kept forwards beyond the cap.
+    fn keep_within_cap(&mut self) {
         while self.kept_order.len() > self.kept_cap {
             if let Some(old) = self.kept_order.pop_front() {
                 self.kept.remove(&old);
             }
         }
-        Ok(out)
     }
 
     /// Backward of microbatch `mb` (`samples` sequences), through its kept forward when

@@ -361,11 +361,12 @@ impl<'a> Owed<'a> {
         self.adjust(s, peer, true);
     }
 
-    /// The backward of stage `s` is being sent: nothing is owed there any more.
-    fn settle(&mut self, s: usize) {
-        if let Some(peer) = self.by_stage[s].take() {
-            self.adjust(s, peer, false);
-        }
+    /// The backward of stage `s` is being sent: nothing is owed there any more. Returns
+    /// the replica that ran its forward, if one did (the backward prefers it).
+    fn settle(&mut self, s: usize) -> Option<PeerId> {
+        let peer = self.by_stage[s].take()?;
+        self.adjust(s, peer, false);
+        Some(peer)
     }
 
     fn adjust(&self, s: usize, peer: PeerId, up: bool) {
@@ -403,7 +404,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     };
     let last = ctx.stages - 1;
     let mut inputs = vec![x];
-    let mut used: Vec<Option<PeerId>> = vec![None; ctx.stages];
+    // Which replica ran each stage's forward, and the backward it is owed.
     let mut owed = Owed::new(ctx);
     for s in 0..last {
         let input = inputs[s].clone();
@@ -417,7 +418,6 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
             Ok((peer, (out, step))) => {
                 ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
                 ctx.stats.step.fetch_max(step, Ordering::Relaxed);
-                used[s] = Some(peer);
                 owed.add(s, peer);
                 inputs.push(out);
             }
@@ -427,10 +427,10 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     let mut upstream = y;
     let mut stage0: Option<(PeerId, u64)> = None;
     for s in (0..=last).rev() {
-        owed.settle(s);
+        let ran_forward = owed.settle(s);
         let input = inputs[s].clone();
         let up = upstream.clone();
-        let r = call_stage(ctx, s, used[s], n, |peer, step| {
+        let r = call_stage(ctx, s, ran_forward, n, |peer, step| {
             let c = ctx.client.clone();
             let (input, up) = (input.clone(), up.clone());
             async move { c.backward(peer, s, step, mb, &input, &up).await }
