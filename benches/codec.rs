@@ -1,5 +1,10 @@
 //! Criterion benchmark of the tensor codecs: encode+decode of a 16M-element N(0, 1) tensor.
 //! `cargo bench --bench codec`; `shoal bench codec` prints the same figures as a table.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use shoal::wire::{self, CodecSpec, Limits};

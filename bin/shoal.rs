@@ -3,7 +3,11 @@
 //! Only argument handling and terminal output live here; every decision is in the library.
 //! Errors print as one line (`error: ...`) and exit with status 1.
 
-mod net_cmds;
+mod args;
+mod bench_cmds;
+mod client_cmds;
+mod harness;
+mod peer_cmd;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -37,18 +41,18 @@ enum Command {
     /// Run manifests: `run new CONFIG` prints the run id.
     Run {
         #[command(subcommand)]
-        which: net_cmds::RunCommand,
+        which: args::RunCommand,
     },
     /// Serve a stage of a run in a swarm.
-    Peer(net_cmds::PeerArgs),
+    Peer(args::PeerArgs),
     /// Show the swarm: replicas per stage, throughput, the bottleneck.
-    Status(net_cmds::StatusArgs),
+    Status(args::StatusArgs),
     /// Push one microbatch forward and backward through the swarm, one replica per stage.
-    Probe(net_cmds::ProbeArgs),
+    Probe(args::ProbeArgs),
     /// Private swarms: `swarm key --out FILE` makes a pre-shared key.
     Swarm {
         #[command(subcommand)]
-        which: net_cmds::SwarmCommand,
+        which: args::SwarmCommand,
     },
     /// Benchmarks that print tables.
     Bench {
@@ -67,7 +71,7 @@ struct TrainArgs {
     config: Option<PathBuf>,
     /// Swarm training: trainer loops only (no stage, no GPU needed).
     #[command(flatten)]
-    swarm: net_cmds::SwarmTrainArgs,
+    swarm: args::SwarmTrainArgs,
     #[command(flatten)]
     common: CommonArgs,
     /// Train on this data instead of the config's: a UTF-8 text file (byte tokens), or a
@@ -314,7 +318,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(a) => {
             let Some(config) = a.config.as_ref().filter(|_| a.local) else {
-                return net_cmds::train_swarm(a.swarm);
+                return peer_cmd::train_swarm(a.swarm);
             };
             let mut cfg = RunConfig::load(config)?;
             if let Some(d) = &a.data {
@@ -324,7 +328,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             train(&cfg, &opts)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Demo(a) if !a.local => net_cmds::demo(
+        Command::Demo(a) if !a.local => bench_cmds::demo(
             a.common.stages.unwrap_or(3),
             a.replicas,
             a.trainers,
@@ -355,14 +359,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Run {
-            which: net_cmds::RunCommand::New { config, out },
-        } => net_cmds::run_new(config, out),
-        Command::Peer(a) => net_cmds::peer(a),
-        Command::Status(a) => net_cmds::status(a),
-        Command::Probe(a) => net_cmds::probe(a),
+            which: args::RunCommand::New { config, out },
+        } => client_cmds::run_new(config, out),
+        Command::Peer(a) => peer_cmd::peer(a),
+        Command::Status(a) => client_cmds::status(a),
+        Command::Probe(a) => client_cmds::probe(a),
         Command::Swarm {
-            which: net_cmds::SwarmCommand::Key { out },
-        } => net_cmds::swarm_key(out),
+            which: args::SwarmCommand::Key { out },
+        } => client_cmds::swarm_key(out),
         Command::Bench {
             which:
                 BenchCommand::Allreduce {
@@ -372,7 +376,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     emulate_link,
                     reps,
                 },
-        } => net_cmds::bench_allreduce(peers, floats, &codec, emulate_link.as_deref(), reps),
+        } => bench_cmds::bench_allreduce(peers, floats, &codec, emulate_link.as_deref(), reps),
         Command::Bench {
             which:
                 BenchCommand::Swarm {
@@ -383,7 +387,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     concurrency,
                     json,
                 },
-        } => net_cmds::bench_swarm(&scenario, (seconds, samples), warmup, concurrency, json),
+        } => bench_cmds::bench_swarm(&scenario, (seconds, samples), warmup, concurrency, json),
         Command::Bench {
             which:
                 BenchCommand::Transfer {
@@ -392,7 +396,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     codecs,
                     quic,
                 },
-        } => net_cmds::bench_transfer(mib, reps, codecs, quic),
+        } => bench_cmds::bench_transfer(mib, reps, codecs, quic),
         Command::Bench {
             which:
                 BenchCommand::Codec {

@@ -160,13 +160,11 @@ fn forward_all(
     x: Tensor,
     wire: &mut Boundary,
 ) -> Result<Vec<Tensor>, TrainError> {
-    let mut acts = vec![x];
+    let mut acts = vec![x.clone()];
+    let mut cur = x;
     for s in &stages[..stages.len() - 1] {
-        let out = s.forward(
-            acts.last()
-                .unwrap_or_else(|| unreachable!("starts non-empty")),
-        )?;
-        acts.push(wire.cross(&out)?);
+        cur = wire.cross(&s.forward(&cur)?)?;
+        acts.push(cur.clone());
     }
     Ok(acts)
 }

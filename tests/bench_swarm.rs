@@ -1,6 +1,11 @@
 //! `shoal bench swarm` end to end: a 10-second homogeneous scenario (sim stages behind
 //! emulated 100 Mbit/s, 50 ms links, as separate processes) completes and reports a sane
 //! bound. No speed is asserted.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use std::process::Command;
 
@@ -40,8 +45,12 @@ fn homogeneous_scenario_completes_with_a_sane_bound() {
     let bound = f("bound");
     assert!(bound > 10.0 && bound <= 500.0 + 1e-6, "bound {bound}");
     let sps = f("samples_per_s");
-    assert!(sps.is_finite() && sps >= 0.0);
-    assert!((f("efficiency") - sps / bound).abs() < 1e-9);
+    assert!(sps.is_finite() && sps > 0.0, "samples/s {sps}");
+    assert!(r["completed"].as_u64().unwrap() > 0, "{r}");
+    let eff = f("efficiency");
+    assert!((eff - sps / bound).abs() < 1e-9);
+    // No swarm beats its bound (beyond the measuring window's error).
+    assert!(eff > 0.0 && eff < 1.1, "efficiency {eff}");
     assert!(f("bytes_per_sample") > 0.0);
     // Trainers are stopped gracefully: every sample fed is completed or reported failed.
     assert_eq!(r["vanished"], 0, "{r}");

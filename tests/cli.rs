@@ -1,5 +1,10 @@
 //! The binary's surface: bad input is one line and a non-zero exit; the benchmark prints
 //! its table; local training prints progress and a summary.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use std::process::{Command, Output};
 

@@ -1,5 +1,10 @@
 //! `shoal run new`, `peer`, `status` and `swarm key` as a user runs them: real processes on
 //! 127.0.0.1, real files, one-line errors.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -49,7 +54,7 @@ impl PeerProc {
             .spawn()
             .expect("spawn peer");
         let out = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(4096);
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 if tx.send(line).is_err() {

@@ -1,5 +1,10 @@
 //! Data sources: text and shards load, bad files give one-line errors, sampling is
 //! deterministic per (seed, trainer) and differs between trainers.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use shoal::config::{DataConfig, RunConfig};
 use shoal::data::{DataError, Sampler, TokenSource};

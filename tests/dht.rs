@@ -1,4 +1,9 @@
 //! DHT records: manifests hash to their id, announcements validate, bad values are refused.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use shoal::config::RunConfig;
 use shoal::dht::record::{self, parse_key, KeyKind, RecordError};

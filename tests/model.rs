@@ -1,5 +1,10 @@
 //! The staged model's math: split = unsplit (logits and gradients), finite differences,
 //! every parameter learns, checkpoints round-trip bit-identically.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use candle_core::{DType, Device, Tensor};
 use shoal::config::RunConfig;

@@ -1,9 +1,15 @@
 //! Real peers on 127.0.0.1 in one process: discovery, remote stages, private swarms,
 //! relays and bad input. Tiny models; every peer runs real candle stages.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use candle_core::{DType, Device, Tensor};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::{Multiaddr, PeerId};
+use shoal::averaging::sync::{chunk_hash, STATE_CHUNK};
 use shoal::config::RunConfig;
 use shoal::data::{Sampler, TokenSource};
 use shoal::dht::Manifest;
@@ -36,7 +42,7 @@ fn peer_config(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) ->
 }
 
 async fn start(cfg: PeerConfig) -> Result<Peer, PeerError> {
-    Peer::start(cfg, |_line: String| {}).await
+    Peer::start(cfg, |_| {}).await
 }
 
 /// A DHT client (not serving) joined through `boot`.
@@ -495,8 +501,18 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
     let mut bytes = header_bytes(&req(1));
     bytes.extend_from_slice(&1000u64.to_le_bytes());
     bytes.extend_from_slice(&[7u8; 10]);
+    let dropped = |p: &Peer| {
+        p.service()
+            .unwrap()
+            .counters()
+            .dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let before = dropped(&p);
     let back = raw(&c, pid, &bytes).await;
-    assert!(back.is_empty() || response_kind(&back).is_some());
+    // Nobody is left to answer a stream that ended mid-frame: it is dropped and counted.
+    assert!(back.is_empty(), "{back:?}");
+    assert_eq!(dropped(&p), before + 1);
     check_alive().await;
 
     // 2. A frame over the size limit: refused before anything is allocated, typed error.
@@ -522,13 +538,21 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
     assert_eq!(e.kind(), Some(ErrorKind::BadTensor), "{e}");
     check_alive().await;
 
-    // 4. Random bytes.
+    // 4. Junk. Shorter than a length prefix: nothing to answer.
+    assert!(raw(&c, pid, &[1, 2, 3]).await.is_empty());
+    // A header length over the limit, then random bytes: refused as a bad request.
     let mut rng = shoal::rng::Rng::new(5);
-    for len in [1usize, 3, 4, 100, 5000] {
-        let junk: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+    for len in [0usize, 100, 5000] {
+        let mut junk = u32::MAX.to_le_bytes().to_vec();
+        junk.extend((0..len).map(|_| rng.next_u64() as u8));
         let back = raw(&c, pid, &junk).await;
-        assert!(back.is_empty() || response_kind(&back).is_some());
+        assert_eq!(response_kind(&back), Some(ErrorKind::BadRequest), "{len}");
     }
+    // A header of the right length that is not a header: a bad request too.
+    let mut junk = 100u32.to_le_bytes().to_vec();
+    junk.extend((0..100).map(|_| rng.next_u64() as u8));
+    let back = raw(&c, pid, &junk).await;
+    assert_eq!(response_kind(&back), Some(ErrorKind::BadRequest));
     check_alive().await;
 
     // 5. NaN input, the wrong run, the wrong stage, the wrong tensor count.
@@ -614,23 +638,32 @@ async fn state_snapshot_chunks_download() {
     let c = client(&p.addrs()[0], None).await;
     let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
     let info = sc.state_info(pid, 0).await.unwrap();
-    eprintln!("{} floats in {} chunks", info.len, info.hashes.len());
-    for i in 0..info.hashes.len() {
-        let v = sc.state_chunk(pid, 0, info.step, i as u32).await;
-        eprintln!(
-            "chunk {i}: {:?}",
-            v.as_ref().map(|v| v.len()).map_err(|e| e.to_string())
-        );
-        v.unwrap();
+    // Parameters and both AdamW moments, in chunks of STATE_CHUNK floats.
+    let want = p.service().unwrap().numel() as u64 * 3;
+    assert_eq!(info.len, want);
+    assert_eq!(info.chunk, STATE_CHUNK as u64);
+    assert_eq!(info.hashes.len(), (want as usize).div_ceil(STATE_CHUNK));
+    let mut total = 0;
+    for (i, hash) in info.hashes.iter().enumerate() {
+        let v = sc.state_chunk(pid, 0, info.step, i as u32).await.unwrap();
+        assert_eq!(&chunk_hash(&v), hash, "chunk {i}");
+        total += v.len() as u64;
     }
+    assert_eq!(total, info.len);
+    // The same chunks, all at once.
     let all = futures::future::join_all(
         (0..info.hashes.len()).map(|i| sc.state_chunk(pid, 0, info.step, i as u32)),
     )
     .await;
-    for (i, v) in all.iter().enumerate() {
-        eprintln!(
-            "concurrent chunk {i}: {:?}",
-            v.as_ref().map(|v| v.len()).map_err(|e| e.to_string())
-        );
+    for (i, v) in all.into_iter().enumerate() {
+        let v = v.unwrap_or_else(|e| panic!("concurrent chunk {i}: {e}"));
+        assert_eq!(chunk_hash(&v), info.hashes[i], "concurrent chunk {i}");
     }
+    // A chunk past the end and a step not held are refused with their kinds.
+    let n = info.hashes.len() as u32;
+    let e = sc.state_chunk(pid, 0, info.step, n).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::BadRequest), "{e}");
+    let e = sc.state_chunk(pid, 0, info.step + 7, 0).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::StaleStep), "{e}");
+    p.stop().await.unwrap();
 }

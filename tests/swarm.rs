@@ -1,5 +1,10 @@
 //! Swarm training with real peers and real candle stages on 127.0.0.1: three stages × two
 //! replicas and two trainers against the single-process run, churn, and joiners.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use libp2p::Multiaddr;
 use shoal::config::RunConfig;
@@ -46,7 +51,7 @@ fn pc(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> PeerConf
 }
 
 async fn start(cfg: PeerConfig) -> Peer {
-    Peer::start(cfg, |_l: String| {}).await.unwrap()
+    Peer::start(cfg, |_| {}).await.unwrap()
 }
 
 struct Swarm {
@@ -101,10 +106,11 @@ async fn wait_trainers(t: &Peer, limit: Duration) {
     }
 }
 
-/// Waits until no round is pending: no stage holds a full batch, and replicas of each stage
-/// agree on step and hash.
+/// Waits (up to 20 s, else fails saying what it saw) until no round is pending: no stage
+/// holds a full batch, and replicas of each stage agree on step and hash.
 async fn settle(peers: &[&Peer]) {
-    for _ in 0..100 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
         let mut ok = true;
         let mut per_stage = std::collections::HashMap::new();
         for p in peers {
@@ -122,6 +128,24 @@ async fn settle(peers: &[&Peer]) {
         }
         if ok {
             return;
+        }
+        if Instant::now() >= deadline {
+            let seen: Vec<String> = peers
+                .iter()
+                .map(|p| {
+                    let st = p.service().unwrap().status();
+                    format!(
+                        "stage {:?} step {} hash {} pending {}",
+                        p.stage(),
+                        st.params_step,
+                        st.params_hash,
+                        st.accum_count + st.frozen_count
+                    )
+                })
+                .collect();
+            panic!(
+                "replicas did not settle within 20 s (want: under a full batch pending per stage, equal step and hash per stage); saw {seen:?}"
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -321,8 +345,8 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
     let held = guard.accum_count() + guard.frozen_count();
     drop(guard);
     drop(replica);
-    // A fresh peer picks the weakest stage and downloads its state.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A fresh peer picks the weakest stage (the victim no longer answers, so it does not
+    // count) and downloads its state.
     let mut jc = pc(
         RunSource::Id(s.m.id.clone()),
         vec![s.addr.clone()],

@@ -1,5 +1,10 @@
 //! Local training learns: the tiny model on the built-in corpus approaches the corpus's
 //! entropy rate, and int8 activations train as well as f32.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use shoal::config::RunConfig;
 use shoal::train::{train_local, LocalOptions, LocalReport};

@@ -1,5 +1,10 @@
 //! The tensor frame: property-tested round trips and error bounds, and one test per kind
 //! of damaged frame.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests and benches fail by panicking"
+)]
 
 use proptest::prelude::*;
 use shoal::wire::{self, CodecSpec, Limits, Quant, TensorData, WireError};

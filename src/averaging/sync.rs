@@ -47,7 +47,11 @@ pub struct SyncReport {
     pub chunks_per_donor: Vec<usize>,
 }
 
-fn chunk_hash(values: &[f32]) -> String {
+/// Floats per state chunk (1 MiB).
+pub const STATE_CHUNK: usize = 256 << 10;
+
+/// The hash of one state chunk, as donors list it and joiners check it.
+pub fn chunk_hash(values: &[f32]) -> String {
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(bytemuck::cast_slice(values))

@@ -1,5 +1,10 @@
 //! The peer process: the stage it serves, the averager that keeps its replicas identical,
 //! and the trainer loops it may run beside them. `shoal peer` is [`peer::Peer`].
+//!
+//! - [`peer`]: start-up (run, stage choice, trainers), stop, kill.
+//! - `serving`: one stage served (build, sync, announce, leave) and the rebalancer.
+//! - [`events`]: what a peer reports, as typed values (the `--events` JSON-lines stream).
 
-pub mod demo;
+pub mod events;
 pub mod peer;
+mod serving;

@@ -13,29 +13,24 @@
 //! averaged) and joins the target stage like a new peer, syncing its state from the
 //! replicas there.
 
-use crate::averaging::sync::{self, SyncError, SyncReport};
-use crate::averaging::{Averager, AveragerConfig, AvgStats};
+use super::events::{Event, Observer};
+use super::serving::{peers_of, rebalance_loop, slot_lock, Ctx, Slot};
+use crate::averaging::sync::{SyncError, SyncReport};
+use crate::averaging::AvgStats;
 use crate::config::StageKind;
 use crate::dht::{self, Announcement, Manifest, ManifestError};
-use crate::model::{ModelError, Stage};
+use crate::model::ModelError;
 use crate::net::{self, NetConfig, NetError, NetHandle};
-use crate::rng::Rng;
-use crate::stage::client::StageClient;
 use crate::stage::registry::{self, RegistryError};
-use crate::stage::replica::Replica;
 use crate::stage::select;
-use crate::stage::service::{measure_throughput, ServiceConfig, StageService};
-use crate::stage::sim::SimCompute;
+use crate::stage::service::{ReplicaStatus, ServiceConfig, StageService};
 use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
-use libp2p::{Multiaddr, PeerId};
+use libp2p::Multiaddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-/// Receives one line per notable event: start-up steps, migrations.
-pub type Logger = Arc<dyn Fn(String) + Send + Sync>;
+use std::time::Duration;
 
 /// Where the run comes from.
 #[derive(Debug, Clone)]
@@ -110,6 +105,15 @@ pub struct PeerConfig {
 }
 
 impl PeerConfig {
+    /// Lifetime of announcements by default (`--announce-ttl`).
+    pub const ANNOUNCE_TTL: Duration = Duration::from_secs(30);
+    /// Mean time between rebalancing checks of `shoal peer` (`--rebalance-every`). A
+    /// config made by [`PeerConfig::new`] does not rebalance until `rebalance` is set.
+    pub const REBALANCE_EVERY: Duration = Duration::from_secs(60);
+    /// Trainer loops `shoal peer` runs beside its stage by default (`--trainers`). A
+    /// config made by [`PeerConfig::new`] runs none.
+    pub const CLI_TRAINERS: usize = 1;
+
     /// Defaults: serve `stage` of `run`, joining through `bootstrap`.
     pub fn new(
         run: RunSource,
@@ -124,7 +128,7 @@ impl PeerConfig {
             stage,
             device: Device::Cpu,
             device_name: "cpu".into(),
-            announce_ttl: Duration::from_secs(30),
+            announce_ttl: Self::ANNOUNCE_TTL,
             service: ServiceConfig::default(),
             bench_budget: Duration::from_millis(800),
             trainers: 0,
@@ -167,33 +171,6 @@ pub enum PeerError {
     /// A bad argument.
     #[error("{0}")]
     Invalid(String),
-}
-
-/// What a peer has while it serves a stage.
-struct Serving {
-    service: Arc<StageService>,
-    averager: Averager,
-    refresher: tokio::task::JoinHandle<()>,
-    samples_per_s: f64,
-    synced: Option<SyncReport>,
-}
-
-/// The stage being served, shared with the rebalancer (empty while migrating).
-type Slot = Arc<Mutex<Option<Serving>>>;
-
-fn slot_lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Serving>> {
-    slot.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// What serving and migrating need, shared by the peer and its rebalancer.
-struct Ctx {
-    net: NetHandle,
-    manifest: Manifest,
-    cfg: PeerConfig,
-    last: Arc<Mutex<Option<Announcement>>>,
-    log: Logger,
-    /// The final status of every stage this peer left (migrations and stop).
-    departed: Mutex<Vec<(usize, crate::stage::service::ReplicaStatus)>>,
 }
 
 /// A serving peer.
@@ -242,12 +219,12 @@ pub async fn join(net: &NetHandle, bootstrap: &[Multiaddr]) -> Result<(), PeerEr
 }
 
 impl Peer {
-    /// Starts a peer; `log` receives one line per start-up event (and per migration).
+    /// Starts a peer; `observe` receives its start-up events (and its migrations).
     pub async fn start(
         cfg: PeerConfig,
-        log: impl Fn(String) + Send + Sync + 'static,
+        observe: impl Fn(Event) + Send + Sync + 'static,
     ) -> Result<Self, PeerError> {
-        let log: Logger = Arc::new(log);
+        let emit: Observer = Arc::new(observe);
         if let Some(t) = cfg.throughput {
             if !t.is_finite() || t <= 0.0 {
                 return Err(PeerError::Invalid(format!(
@@ -271,7 +248,9 @@ impl Peer {
             ));
         }
         for a in &addrs {
-            log(format!("listening on {a}"));
+            emit(Event::Listening {
+                addr: a.to_string(),
+            });
         }
         join(&net, &cfg.bootstrap).await?;
         let manifest = match (from_file, &cfg.run) {
@@ -282,7 +261,9 @@ impl Peer {
             (None, RunSource::File(p)) => Manifest::load(p)?,
         };
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
-        log(format!("run {}", manifest.id));
+        emit(Event::Run {
+            id: manifest.id.clone(),
+        });
         if manifest.config.stages.kind == StageKind::Sim
             && cfg.stage != StageChoice::None
             && !cfg.allow_sim
@@ -298,7 +279,7 @@ impl Peer {
             manifest: manifest.clone(),
             cfg: cfg.clone(),
             last: Arc::new(Mutex::new(None)),
-            log,
+            emit,
             departed: Mutex::new(Vec::new()),
         });
         let per_stage = match cfg.stage {
@@ -356,7 +337,9 @@ impl Peer {
                 .push(Trainer::spawn(net.clone(), &manifest, tcfg)?);
         }
         if cfg.trainers > 0 {
-            (ctx.log)(format!("running {} trainer loop(s)", cfg.trainers));
+            (ctx.emit)(Event::Trainers {
+                loops: cfg.trainers,
+            });
         }
         Ok(peer)
     }
@@ -410,7 +393,7 @@ impl Peer {
     /// The final status of every stage replica this peer left by migrating: their
     /// accounting (samples dropped on a state download, samples still held) leaves the
     /// stage with them.
-    pub fn departed(&self) -> Vec<(usize, crate::stage::service::ReplicaStatus)> {
+    pub fn departed(&self) -> Vec<(usize, ReplicaStatus)> {
         self.ctx
             .departed
             .lock()
@@ -475,329 +458,6 @@ impl Drop for Peer {
         }
         if let Some(s) = slot_lock(&self.slot).take() {
             s.refresher.abort();
-        }
-    }
-}
-
-fn peers_of(anns: &[Announcement]) -> Vec<PeerId> {
-    anns.iter().filter_map(|a| a.peer.parse().ok()).collect()
-}
-
-impl Ctx {
-    /// The live replicas of every stage: announcements whose peer answers `info` for that
-    /// stage (a dead peer's announcement lives on until it expires, and a leaving one
-    /// refuses `info`). This peer's own announcement counts without a call.
-    async fn live(&self) -> Result<Vec<Vec<Announcement>>, PeerError> {
-        let count = self.manifest.config.stages.count;
-        let per_stage = registry::read_run(&self.net, &self.manifest.id, count).await?;
-        let me = self.net.local_peer_id().to_string();
-        let client = StageClient::new(
-            self.net.clone(),
-            self.manifest.id.clone(),
-            self.manifest.config.codecs.activations,
-        )
-        .with_timeout(Duration::from_secs(2));
-        let checks = futures::future::join_all(
-            per_stage
-                .into_iter()
-                .flatten()
-                .filter(|a| a.peer != me)
-                .map(|a| {
-                    let client = client.clone();
-                    async move {
-                        let peer: PeerId = a.peer.parse().ok()?;
-                        let addrs: Vec<Multiaddr> =
-                            a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
-                        client.net().add_addresses(peer, addrs).await.ok()?;
-                        // A burst of calls can drop a stream; a live replica answers a retry.
-                        for attempt in 0..3u64 {
-                            if client.info(peer, a.stage as usize).await.is_ok() {
-                                return Some(a);
-                            }
-                            tokio::time::sleep(Duration::from_millis(60 * (attempt + 1))).await;
-                        }
-                        None
-                    }
-                }),
-        )
-        .await;
-        let mut out: Vec<Vec<Announcement>> = vec![Vec::new(); count];
-        let mine = self.last.lock().ok().and_then(|g| g.clone());
-        for a in checks.into_iter().flatten().chain(mine) {
-            if let Some(v) = out.get_mut(a.stage as usize) {
-                v.push(a);
-            }
-        }
-        Ok(out)
-    }
-
-    /// Builds, syncs (from `donors`, if any), serves and announces stage `stage_idx`.
-    async fn serve(&self, stage_idx: usize, donors: &[PeerId]) -> Result<Serving, PeerError> {
-        let cfg = &self.cfg;
-        let manifest = &self.manifest;
-        let count = manifest.config.stages.count;
-        let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
-        let m = &manifest.config.model;
-        let sim = SimCompute::of(&manifest.config, cfg.sim_slowdown);
-        let samples_per_s = match (cfg.throughput, &sim) {
-            (Some(t), _) => t,
-            (None, Some(sim)) => sim.samples_per_s(),
-            (None, None) => measure_throughput(
-                &stage,
-                manifest.config.training.batch_size,
-                m.seq_len,
-                m.d_model,
-                2,
-                cfg.bench_budget,
-            )?,
-        };
-        let mut replica = Replica::new(&manifest.config, stage)?
-            .with_sim(sim)
-            .with_kept_cap(cfg.kept_forwards);
-        let client = StageClient::new(
-            self.net.clone(),
-            manifest.id.clone(),
-            manifest.config.codecs.activations,
-        );
-        let mut synced = None;
-        if !donors.is_empty() {
-            // A stage that already has replicas: start from their state, not the init.
-            let mut rng = Rng::new(crate::rng::derive_seed(
-                crate::dht::now_ms(),
-                &self.net.local_peer_id().to_string(),
-            ));
-            let len = replica.snapshot_len();
-            let (snap, report) = sync::download(&client, stage_idx, donors, len, &mut rng).await?;
-            replica.restore(&snap)?;
-            (self.log)(format!(
-                "synced stage {stage_idx} at step {} from {} donor(s), chunks {:?}",
-                snap.step,
-                report.donors.len(),
-                report.chunks_per_donor
-            ));
-            synced = Some(report);
-        }
-        let replica = Arc::new(tokio::sync::Mutex::new(replica));
-        let service = Arc::new(StageService::start(
-            &self.net,
-            manifest,
-            replica,
-            cfg.service.clone(),
-        )?);
-        let avg_cfg = self.avg_config();
-        let seed =
-            crate::rng::derive_seed(crate::dht::now_ms(), &self.net.local_peer_id().to_string());
-        let averager = Averager::spawn(client, Arc::clone(&service), avg_cfg, seed);
-        (self.log)(format!(
-            "serving stage {stage_idx} of {count} on {}: {samples_per_s:.1} samples/s",
-            cfg.device_name
-        ));
-        let refresh = Refresh {
-            net: self.net.clone(),
-            service: Arc::clone(&service),
-            manifest: manifest.clone(),
-            device: cfg.device_name.clone(),
-            samples_per_s,
-            ttl: cfg.announce_ttl,
-            last: Arc::clone(&self.last),
-        };
-        refresh.once().await?;
-        Ok(Serving {
-            service,
-            averager,
-            refresher: tokio::spawn(refresh.run()),
-            samples_per_s,
-            synced,
-        })
-    }
-
-    fn avg_config(&self) -> AveragerConfig {
-        AveragerConfig::new(
-            self.manifest.config.target_batch_size() as u64,
-            self.manifest.config.codecs.gradients,
-        )
-    }
-
-    /// Leaves a stage gracefully and returns its service (closed) for a checkpoint.
-    async fn leave(&self, serving: Serving) -> Arc<StageService> {
-        serving.refresher.abort();
-        let last = self.last.lock().ok().and_then(|mut g| g.take());
-        if let Some(a) = last {
-            let _ = registry::withdraw(&self.net, &a).await;
-        }
-        let service = Arc::clone(&serving.service);
-        service.drain();
-        let deadline = Instant::now() + self.cfg.drain_timeout;
-        let settled = |service: &StageService| {
-            let st = service.status();
-            (service.queue_len(), st.accum_count + st.frozen_count)
-        };
-        let mut warned = false;
-        // Rounds need the rest of the stage: when its step stands still for 3 s (training
-        // has stopped), what is pending here will not be averaged; stop waiting for it.
-        let mut step = (service.step(), Instant::now());
-        let mut wait_settled = async |what: &str| loop {
-            let (queued, pending) = settled(&service);
-            if queued == 0 && pending == 0 {
-                return;
-            }
-            if service.step() != step.0 {
-                step = (service.step(), Instant::now());
-            }
-            let stalled = queued == 0 && step.1.elapsed() >= Duration::from_secs(3);
-            if Instant::now() >= deadline || stalled {
-                if !warned {
-                    (self.log)(format!(
-                        "leaving stage {} {what} with {queued} request(s) queued and {pending} sample(s) not yet averaged",
-                        service.stage()
-                    ));
-                    warned = true;
-                }
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        wait_settled("").await;
-        // Let the averager tell the stage that nothing is pending here any more, so the
-        // others do not count this replica's last reported samples as lost.
-        tokio::time::sleep(self.avg_config().heartbeat * 2).await;
-        service.close().await;
-        // A call that raced the drain may have queued a job: let it finish.
-        wait_settled("after closing").await;
-        // Then the others forget this replica at once rather than when its progress goes
-        // stale (so no round waits on it), and count what it still holds as lost.
-        serving.averager.leave();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if let Ok(mut d) = self.departed.lock() {
-            d.push((service.stage(), service.status()));
-        }
-        drop(serving.averager);
-        service
-    }
-
-    /// Where this peer should move from `mine`, judged on the live swarm.
-    async fn target(&self, mine: usize, my_tp: f64) -> Option<(usize, Vec<Vec<Announcement>>)> {
-        let live = self.live().await.ok()?;
-        let anns: Vec<Announcement> = live.iter().flatten().cloned().collect();
-        let loads = select::loads(self.manifest.config.stages.count, &anns);
-        let tps: Vec<f64> = anns.iter().map(|a| a.samples_per_s).collect();
-        select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY).map(|t| (t, live))
-    }
-}
-
-/// Checks now and then whether to move to the weakest stage, and moves.
-async fn rebalance_loop(
-    ctx: Arc<Ctx>,
-    slot: Slot,
-    moving: Arc<tokio::sync::Mutex<()>>,
-    moves: Arc<AtomicU64>,
-    period: Duration,
-    seed: u64,
-) {
-    let mut rng = Rng::new(seed);
-    let me = ctx.net.local_peer_id().to_string();
-    loop {
-        tokio::time::sleep(period.mul_f64(0.5 + rng.next_f64())).await;
-        let current = slot_lock(&slot)
-            .as_ref()
-            .map(|s| (s.service.stage(), s.samples_per_s));
-        let Some((mine, tp)) = current else {
-            continue;
-        };
-        if ctx.target(mine, tp).await.is_none() {
-            continue;
-        }
-        // Confirm after a random pause, so peers that decided together see each other move.
-        tokio::time::sleep(period.mul_f64(0.25 * rng.next_f64())).await;
-        let Some((target, live)) = ctx.target(mine, tp).await else {
-            continue;
-        };
-        let _guard = moving.lock().await;
-        let Some(serving) = slot_lock(&slot).take() else {
-            continue;
-        };
-        (ctx.log)(format!(
-            "rebalancing: moving from stage {mine} to the weakest stage {target}"
-        ));
-        ctx.leave(serving).await;
-        let others = |s: usize| -> Vec<PeerId> {
-            let anns: Vec<Announcement> =
-                live[s].iter().filter(|a| a.peer != me).cloned().collect();
-            peers_of(&anns)
-        };
-        let serving = match ctx.serve(target, &others(target)).await {
-            Ok(s) => {
-                moves.fetch_add(1, Ordering::Relaxed);
-                Some(s)
-            }
-            Err(e) => {
-                (ctx.log)(format!(
-                    "cannot serve stage {target} ({e}); going back to stage {mine}"
-                ));
-                match ctx.serve(mine, &others(mine)).await {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        (ctx.log)(format!(
-                            "cannot serve stage {mine} again: {e}; serving nothing"
-                        ));
-                        None
-                    }
-                }
-            }
-        };
-        *slot_lock(&slot) = serving;
-    }
-}
-
-struct Refresh {
-    net: NetHandle,
-    service: Arc<StageService>,
-    manifest: Manifest,
-    device: String,
-    samples_per_s: f64,
-    ttl: Duration,
-    last: Arc<Mutex<Option<Announcement>>>,
-}
-
-impl Refresh {
-    async fn once(&self) -> Result<(), NetError> {
-        let addrs = self.net.listen_addrs().await?;
-        let now = dht::now_ms();
-        let ann = Announcement {
-            v: dht::record::ANN_VERSION,
-            run: self.manifest.id.clone(),
-            peer: self.net.local_peer_id().to_string(),
-            addrs: addrs
-                .iter()
-                .take(dht::record::MAX_ADDRS)
-                .map(|a| a.to_string())
-                .collect(),
-            stage: self.service.stage() as u32,
-            stages: self.manifest.config.stages.count as u32,
-            step: self.service.step(),
-            samples_per_s: self.samples_per_s,
-            device: self.device.clone(),
-            queue: self.service.queue_len(),
-            queue_cap: self.service.queue_cap(),
-            params_hash: self.service.params_hash().to_string(),
-            issued_ms: now,
-            expires_ms: now + self.ttl.as_millis() as u64,
-        };
-        self.service
-            .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
-        registry::announce(&self.net, &ann, self.ttl).await?;
-        if let Ok(mut g) = self.last.lock() {
-            *g = Some(ann);
-        }
-        Ok(())
-    }
-
-    async fn run(self) {
-        let period = (self.ttl / 3).max(Duration::from_millis(200));
-        loop {
-            tokio::time::sleep(period).await;
-            let _ = registry::publish_manifest(&self.net, &self.manifest, self.ttl).await;
-            let _ = self.once().await;
         }
     }
 }

@@ -1,17 +1,18 @@
-//! The one-line progress report of trainer loops, printed by `shoal train` and parsed by
-//! the demo. Format (space separated `key value` pairs after `trainers:`):
-//! `trainers: step S loss L fed F completed C failed X wire W raw R swaps N`.
+//! The progress of trainer loops: their totals as one value, which a process reports in
+//! its JSON status stream (`--events`) and shows as one line (its `Display`).
 
 use super::TrainerStats;
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// Totals over some trainer loops.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Progress {
     /// Step of the slowest stage, as seen by the most advanced trainer.
     pub step: u64,
-    /// Mean recent loss (NaN before the first microbatch completes).
+    /// Mean recent loss (NaN before the first microbatch completes; `null` in JSON).
+    #[serde(with = "nan_as_null")]
     pub loss: f64,
     /// Samples started.
     pub fed: u64,
@@ -47,9 +48,35 @@ impl Progress {
         }
     }
 
-    /// The printed line.
-    pub fn line(&self) -> String {
-        format!(
+    /// Sums the progress of several processes' trainers: steps are the most advanced,
+    /// losses the mean of those known, counts the sums.
+    pub fn sum(ps: &[Progress]) -> Progress {
+        let losses: Vec<f64> = ps
+            .iter()
+            .map(|p| p.loss)
+            .filter(|l| l.is_finite())
+            .collect();
+        Progress {
+            step: ps.iter().map(|p| p.step).max().unwrap_or(0),
+            loss: if losses.is_empty() {
+                f64::NAN
+            } else {
+                losses.iter().sum::<f64>() / losses.len() as f64
+            },
+            fed: ps.iter().map(|p| p.fed).sum(),
+            completed: ps.iter().map(|p| p.completed).sum(),
+            failed: ps.iter().map(|p| p.failed).sum(),
+            wire: ps.iter().map(|p| p.wire).sum(),
+            raw: ps.iter().map(|p| p.raw).sum(),
+            swaps: ps.iter().map(|p| p.swaps).sum(),
+        }
+    }
+}
+
+impl std::fmt::Display for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
             "trainers: step {} loss {:.4} fed {} completed {} failed {} wire {} raw {} swaps {}",
             self.step,
             self.loss,
@@ -61,27 +88,24 @@ impl Progress {
             self.swaps
         )
     }
+}
 
-    /// Parses a printed line.
-    pub fn parse(line: &str) -> Option<Self> {
-        let rest = line.trim().strip_prefix("trainers:")?;
-        let words: Vec<&str> = rest.split_whitespace().collect();
-        let get = |k: &str| -> Option<&str> {
-            words
-                .iter()
-                .position(|w| *w == k)
-                .and_then(|i| words.get(i + 1).copied())
-        };
-        Some(Self {
-            step: get("step")?.parse().ok()?,
-            loss: get("loss")?.parse().ok()?,
-            fed: get("fed")?.parse().ok()?,
-            completed: get("completed")?.parse().ok()?,
-            failed: get("failed")?.parse().ok()?,
-            wire: get("wire")?.parse().ok()?,
-            raw: get("raw")?.parse().ok()?,
-            swaps: get("swaps").and_then(|v| v.parse().ok()).unwrap_or(0),
-        })
+/// JSON has no NaN: a float that is not known yet travels as `null`.
+pub(crate) mod nan_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// NaN and infinities as `null`.
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    /// `null` as NaN.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
     }
 }
 
@@ -90,7 +114,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn line_round_trips() {
+    fn json_round_trips_and_an_unknown_loss_is_null() {
         let p = Progress {
             step: 3,
             loss: 1.25,
@@ -101,7 +125,43 @@ mod tests {
             raw: 4000,
             swaps: 2,
         };
-        assert_eq!(Progress::parse(&p.line()), Some(p));
-        assert_eq!(Progress::parse("step 3"), None);
+        let back: Progress = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+        let empty = Progress {
+            loss: f64::NAN,
+            ..Progress::default()
+        };
+        let text = serde_json::to_string(&empty).unwrap();
+        assert!(text.contains("\"loss\":null"), "{text}");
+        let back: Progress = serde_json::from_str(&text).unwrap();
+        assert!(back.loss.is_nan());
+        assert!(p.to_string().starts_with("trainers: step 3 loss 1.2500"));
+    }
+
+    #[test]
+    fn sums_counts_and_averages_known_losses() {
+        let a = Progress {
+            step: 4,
+            loss: 2.0,
+            fed: 10,
+            completed: 8,
+            ..Progress::default()
+        };
+        let b = Progress {
+            step: 6,
+            loss: f64::NAN,
+            fed: 5,
+            completed: 5,
+            ..Progress::default()
+        };
+        let c = Progress {
+            step: 5,
+            loss: 3.0,
+            ..Progress::default()
+        };
+        let s = Progress::sum(&[a, b, c]);
+        assert_eq!((s.step, s.fed, s.completed), (6, 15, 13));
+        assert_eq!(s.loss, 2.5);
+        assert!(Progress::sum(&[]).loss.is_nan());
     }
 }

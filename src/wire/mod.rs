@@ -18,6 +18,7 @@ compile_error!("shoal's wire format assumes a little-endian machine");
 
 pub mod codec;
 pub mod frame;
+pub mod header;
 pub mod kernels;
 pub mod msg;
 

@@ -1,6 +1,7 @@
-//! `shoal bench swarm`: a local swarm of separate processes (every peer behind an emulated
-//! home link, stages the timed `sim` stand-in or the real model), measured against the
-//! best any system could do with the same stages and links.
+//! The setups `shoal bench swarm` measures (scenarios of replicas, links and trainers),
+//! the physical bound each is measured against, and the rows it reports. Pure: nothing
+//! here starts a process. Every peer sits behind an emulated home link; stages are the
+//! timed `sim` stand-in or the real model.
 //!
 //! The bound is the minimum, over every stage and over the trainers, of what that part
 //! can carry: for a replica, `min(compute samples/s, down ÷ bytes it receives per sample,
@@ -12,15 +13,12 @@
 //! sizes times the wire/raw ratio the trainers measured, so compression is counted as it
 //! happened. Latency is not in the bound (enough microbatches in flight hide it).
 
-use crate::config::{RunConfig, StageKind};
-use crate::dht::Manifest;
-use crate::net::link::LinkSpec;
-use crate::stage::service::CounterValues;
-use crate::swarm::demo::{peer_args, spawn_bootstrap, stop_all, sum, DemoError, Proc};
-use crate::trainer::report::Progress;
-use crate::wire::CodecSpec;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use shoal::config::{RunConfig, StageKind};
+use shoal::net::link::LinkSpec;
+use shoal::stage::service::CounterSnapshot;
+use shoal::wire::CodecSpec;
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// The scenarios `--scenario` knows.
 pub const SCENARIOS: &[&str] = &[
@@ -92,7 +90,7 @@ pub struct Row {
     pub killed: usize,
     /// Calls the trainers repeated on another replica.
     pub swaps: u64,
-    /// Per stage, the replicas' counters summed (from the lines they print on stop).
+    /// Per stage, the replicas' counters summed over the measured window.
     pub stages: Vec<StageTimes>,
     /// The stage whose breakdown explains the row (the bottleneck, or the slowest).
     pub focus: usize,
@@ -122,26 +120,21 @@ pub struct StageTimes {
 }
 
 impl StageTimes {
-    /// Parses `stage S replica counters: ...` (what a peer prints on stop: its stage, then
-    /// [`crate::stage::service::Counters::line`]) into (S, times).
-    pub fn parse(line: &str) -> Option<(usize, Self)> {
-        let rest = line.trim().strip_prefix("stage ")?;
-        let (stage, rest) = rest.split_once(' ')?;
-        let v = CounterValues::parse(rest)?;
-        Some((
-            stage.parse().ok()?,
-            Self {
-                jobs: v.jobs,
-                compute_ms: v.compute_ms,
-                queue_ms: v.queue_ms,
-                read_ms: v.read_ms,
-                write_ms: v.write_ms,
-                codec_ms: v.decode_ms + v.encode_ms,
-                in_mb: v.stage_in_mb,
-                out_mb: v.stage_out_mb,
-                window_ms: 0.0,
-            },
-        ))
+    /// The times in a replica's counters (as it reports them in its status stream).
+    pub fn of(c: &CounterSnapshot) -> Self {
+        let ms = |us: u64| us as f64 / 1e3;
+        let mb = |b: u64| b as f64 / 1e6;
+        Self {
+            jobs: c.jobs as f64,
+            compute_ms: ms(c.compute_us),
+            queue_ms: ms(c.queue_us),
+            read_ms: ms(c.read_us),
+            write_ms: ms(c.write_us),
+            codec_ms: ms(c.decode_us + c.encode_us),
+            in_mb: mb(c.stage_in),
+            out_mb: mb(c.stage_out),
+            window_ms: 0.0,
+        }
     }
 
     /// What happened between `earlier` and `self` (two readings of one replica's
@@ -165,7 +158,7 @@ impl StageTimes {
         (self.window_ms > 0.0).then(|| self.compute_ms / self.window_ms)
     }
 
-    fn add(&mut self, o: &Self) {
+    pub fn add(&mut self, o: &Self) {
         self.jobs += o.jobs;
         self.compute_ms += o.compute_ms;
         self.queue_ms += o.queue_ms;
@@ -273,7 +266,7 @@ pub struct BenchOptions {
     pub concurrency: usize,
 }
 
-fn link(s: &str) -> LinkSpec {
+pub fn link(s: &str) -> LinkSpec {
     LinkSpec::parse(s).unwrap_or_else(|_| LinkSpec::unlimited())
 }
 
@@ -443,40 +436,7 @@ pub fn bound(setup: &Setup, compute: &[f64], ratio: f64) -> (f64, String, f64) {
     (best.0, best.1, slowest_compute)
 }
 
-fn trainer_args(setup: &Setup, id: &str, boot: &str, link: &LinkSpec, idx: usize) -> Vec<String> {
-    let conc = setup.concurrency;
-    [
-        "train",
-        "--run",
-        id,
-        "--bootstrap",
-        boot,
-        "--trainers",
-        "1",
-        "--concurrency",
-        &conc.to_string(),
-        "--data-index",
-        &(idx as u64 * 1000).to_string(),
-        "--report-ms",
-        "250",
-        "--no-sync-steps",
-        "--routing",
-        setup.routing,
-        "--emulate-link",
-        &link_arg(link),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain(
-        setup
-            .call_timeout
-            .into_iter()
-            .flat_map(|t| ["--call-timeout".to_string(), t.to_string()]),
-    )
-    .collect()
-}
-
-fn link_arg(l: &LinkSpec) -> String {
+pub fn link_arg(l: &LinkSpec) -> String {
     let mut parts = Vec::new();
     if let Some(u) = l.up {
         parts.push(format!("up={}kbit", (u * 8.0 / 1e3).round()));
@@ -486,303 +446,6 @@ fn link_arg(l: &LinkSpec) -> String {
     }
     parts.push(format!("rtt={}us", l.rtt.as_micros()));
     parts.join(",")
-}
-
-/// Arguments of a stage peer. `in_flight` is the microbatches all trainers keep in flight:
-/// every replica's queue holds them all, so a replica never refuses work for being full
-/// (which would let the fixed round-robin baseline steer around a slow replica), and it
-/// keeps as many forwards, so a backward never recomputes for want of room.
-fn replica_args(
-    id: &str,
-    boot: &str,
-    r: &ReplicaSpec,
-    key: &str,
-    stage: &str,
-    in_flight: usize,
-) -> Vec<String> {
-    let mut a = peer_args(id, Some(boot), stage, key);
-    let room = in_flight.max(8).to_string();
-    a.extend(
-        [
-            "--allow-sim",
-            "--rebalance-every",
-            "0",
-            "--queue",
-            &room,
-            "--keep-forwards",
-            &room,
-            "--counters-ms",
-            "500",
-            "--sim-slowdown",
-            &r.slowdown.to_string(),
-            "--emulate-link",
-            &link_arg(&r.link),
-        ]
-        .iter()
-        .map(|s| s.to_string()),
-    );
-    a
-}
-
-fn announced_throughput(line: &str) -> Option<f64> {
-    // "serving stage S of N on DEV: X samples/s"
-    let rest = line.rsplit_once(": ")?.1;
-    rest.strip_suffix(" samples/s")?.trim().parse().ok()
-}
-
-/// Reads the trainers' output: their latest progress, and the reasons they print for
-/// failed samples and swapped calls (`  failed N samples: why`) into `why`.
-fn drain(trainers: &mut [Proc], last: &mut [Progress], why: &mut Vec<String>) {
-    for (i, t) in trainers.iter_mut().enumerate() {
-        while let Ok(l) = t.lines.try_recv() {
-            if let Some(p) = Progress::parse(l.trim_start_matches("done: ")) {
-                last[i] = p;
-            } else if ["failed ", "swapped "]
-                .iter()
-                .any(|p| l.trim_start().starts_with(p))
-            {
-                why.push(format!("{}: {}", t.name, l.trim()));
-            }
-        }
-    }
-}
-
-/// Each replica's latest counters (by process name): its stage, when they were read, and
-/// their values.
-type Readings = std::collections::HashMap<String, (usize, Instant, StageTimes)>;
-
-/// Reads the counter lines the replicas print every `--counters-ms` into `latest`, and
-/// each replica's first reading into `first` (their other output is consumed and
-/// dropped).
-fn read_counters(peers: &mut [(usize, Proc)], latest: &mut Readings, first: &mut Readings) {
-    for (_, p) in peers.iter_mut() {
-        while let Ok(l) = p.lines.try_recv() {
-            if let Some((s, t)) = StageTimes::parse(&l) {
-                let r = (s, Instant::now(), t);
-                first.entry(p.name.clone()).or_insert_with(|| r.clone());
-                latest.insert(p.name.clone(), r);
-            }
-        }
-    }
-}
-
-/// Per replica, the counters over the window between two sets of readings. A replica
-/// that joined inside the window counts from its first reading (`first`), one that died
-/// inside it up to its last.
-fn window(start: &Readings, end: &Readings, first: &Readings) -> Vec<(String, usize, StageTimes)> {
-    let mut names: Vec<&String> = end.keys().collect();
-    names.sort();
-    names
-        .into_iter()
-        .filter_map(|name| {
-            let (s, t1, c1) = end.get(name)?;
-            let (_, t0, c0) = start.get(name).or_else(|| first.get(name))?;
-            let w = c1.since(c0, t1.saturating_duration_since(*t0).as_secs_f64() * 1e3);
-            Some((name.clone(), *s, w))
-        })
-        .collect()
-}
-
-/// Runs one setup; `out` receives progress lines.
-pub fn run_setup(
-    setup: &Setup,
-    opts: &BenchOptions,
-    out: &dyn Fn(String),
-) -> Result<Row, DemoError> {
-    let dir = std::env::temp_dir().join(format!(
-        "shoal-bench-{}-{}",
-        std::process::id(),
-        setup.label.replace('/', "-")
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| DemoError::Process(e.to_string()))?;
-    let r = run_in(setup, opts, &dir, out);
-    let _ = std::fs::remove_dir_all(&dir);
-    r
-}
-
-fn run_in(
-    setup: &Setup,
-    opts: &BenchOptions,
-    dir: &Path,
-    out: &dyn Fn(String),
-) -> Result<Row, DemoError> {
-    let err = |e: &dyn std::fmt::Display| DemoError::Process(e.to_string());
-    let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
-    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
-    let exe = &opts.exe;
-    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
-    let in_flight = setup.concurrency * setup.trainers.len();
-    let mut peers: Vec<(usize, Proc)> = Vec::new();
-    let mut compute = Vec::new();
-    for (i, r) in setup.replicas.iter().enumerate() {
-        let name = format!("stage{}-replica{i}", r.stage);
-        let args = replica_args(
-            &m.id,
-            &baddr,
-            r,
-            &format!("{name}.key"),
-            &r.stage.to_string(),
-            in_flight,
-        );
-        let mut p = Proc::spawn(exe, dir, &name, &args)?;
-        let l = p.wait_line("samples/s", Duration::from_secs(60))?;
-        compute.push(announced_throughput(&l).unwrap_or(0.0));
-        peers.push((i, p));
-    }
-    for (_, p) in peers.iter_mut() {
-        p.wait_line("ready", Duration::from_secs(60))?;
-    }
-    let mut trainers = Vec::new();
-    for (t, l) in setup.trainers.iter().enumerate() {
-        let args = trainer_args(setup, &m.id, &baddr, l, t);
-        trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
-    }
-    let mut last = vec![Progress::default(); trainers.len()];
-    let mut why = Vec::new();
-    let started = Instant::now();
-    let warm_end = started + Duration::from_secs_f64(opts.warmup);
-    // A churn window holds at least two kills and 5 s after the second, whatever
-    // `--seconds` says (kills come every period from the start).
-    let seconds = match setup.churn {
-        Some(p) => {
-            let p = p.as_secs_f64();
-            let first_inside = (opts.warmup / p).floor() + 1.0;
-            opts.seconds
-                .max((first_inside + 1.0) * p + 5.0 - opts.warmup)
-        }
-        None => opts.seconds,
-    };
-    let end = warm_end + Duration::from_secs_f64(seconds);
-    let mut at_warm: Option<(Instant, Progress)> = None;
-    let (mut latest, mut first) = (Readings::new(), Readings::new());
-    let mut warm_readings = Readings::new();
-    let mut next_kill = setup.churn.map(|p| started + p);
-    let mut killed = 0;
-    let mut next_print = started;
-    while Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(100));
-        drain(&mut trainers, &mut last, &mut why);
-        read_counters(&mut peers, &mut latest, &mut first);
-        let now = Instant::now();
-        if at_warm.is_none() && now >= warm_end {
-            at_warm = Some((now, sum(&last)));
-            warm_readings = latest.clone();
-        }
-        if let (Some(n), Some((_, p0))) = (opts.samples, &at_warm) {
-            if sum(&last).completed.saturating_sub(p0.completed) >= n {
-                break;
-            }
-        }
-        if let (Some(k), Some(period)) = (next_kill, setup.churn) {
-            if now >= k {
-                next_kill = Some(now + period);
-                // The oldest replica of stage 1 dies; a fresh peer joins where it is weakest.
-                if let Some(pos) = peers
-                    .iter()
-                    .position(|(i, _)| setup.replicas.get(*i).map(|r| r.stage) == Some(1))
-                {
-                    let (i, mut victim) = peers.remove(pos);
-                    let _ = victim.child.kill();
-                    let _ = victim.child.wait();
-                    killed += 1;
-                    let spec = setup.replicas[i].clone();
-                    let name = format!("joiner{killed}");
-                    let key = format!("{name}.key");
-                    let args = replica_args(&m.id, &baddr, &spec, &key, "auto", in_flight);
-                    out(format!("churn: SIGKILLed {}, starting {name}", victim.name));
-                    let p = Proc::spawn(exe, dir, &name, &args)?;
-                    peers.push((i, p));
-                }
-            }
-        }
-        if now >= next_print {
-            next_print = now + Duration::from_secs(5);
-            let s = sum(&last);
-            out(format!(
-                "  [{:>4.0}s] {}: completed {} failed {} wire {:.1} MB",
-                started.elapsed().as_secs_f64(),
-                setup.label,
-                s.completed,
-                s.failed,
-                s.wire as f64 / 1e6
-            ));
-        }
-    }
-    drain(&mut trainers, &mut last, &mut why);
-    read_counters(&mut peers, &mut latest, &mut first);
-    let end_readings = latest.clone();
-    let fin = sum(&last);
-    let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
-    let secs = t0.elapsed().as_secs_f64().max(1e-9);
-    let done = fin.completed.saturating_sub(p0.completed);
-    let samples_per_s = done as f64 / secs;
-    let bytes_per_sample = fin.wire.saturating_sub(p0.wire) as f64 / (done.max(1)) as f64;
-    let ratio = if fin.raw > 0 {
-        fin.wire as f64 / fin.raw as f64
-    } else {
-        1.0
-    };
-    // Stop the trainers gracefully (SIGTERM): in-flight microbatches finish, and the last
-    // line gives the final accounting.
-    stop_all(trainers.iter_mut(), Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(300));
-    drain(&mut trainers, &mut last, &mut why);
-    let end_p = sum(&last);
-    for w in &why {
-        out(format!("  {w}"));
-    }
-    stop_all(peers.iter_mut().map(|(_, p)| p), Duration::from_secs(15));
-    // The breakdown covers the measured window only: the difference of the readings
-    // taken as it opened and as it closed.
-    let mut stages = vec![StageTimes::default(); setup.run.stages.count];
-    for (name, s, t) in window(&warm_readings, &end_readings, &first) {
-        out(format!("  {name}: {}", t.line()));
-        if let Some(acc) = stages.get_mut(s) {
-            acc.add(&t);
-        }
-    }
-    boot.stop();
-    let (b, what, slowest) = bound(setup, &compute, ratio);
-    // Where compute binds, the busiest stage is the one holding the swarm back (stages
-    // whose bounds tie differ in how busy they actually are).
-    let busiest = (0..stages.len())
-        .filter_map(|i| stages[i].busy().map(|b| (i, b)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .map(|(i, _)| i)
-        .filter(|_| what.ends_with("compute"));
-    let focus = busiest
-        .or_else(|| {
-            what.strip_prefix("stage ")
-                .and_then(|r| r.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-        })
-        .unwrap_or_else(|| {
-            // The trainers bind: explain the stage that waits longest on the network.
-            (0..stages.len())
-                .max_by(|&a, &b| stages[a].read_ms.total_cmp(&stages[b].read_ms))
-                .unwrap_or(0)
-        });
-    Ok(Row {
-        scenario: setup.label.clone(),
-        samples_per_s,
-        bound: b,
-        efficiency: if b > 0.0 { samples_per_s / b } else { 0.0 },
-        bytes_per_sample,
-        bottleneck: what,
-        utilisation: if slowest > 0.0 {
-            samples_per_s / slowest
-        } else {
-            0.0
-        },
-        fed: end_p.fed,
-        completed: end_p.completed,
-        failed: end_p.failed,
-        vanished: end_p.fed as i64 - end_p.completed as i64 - end_p.failed as i64,
-        killed,
-        swaps: end_p.swaps,
-        stages,
-        focus,
-    })
 }
 
 #[cfg(test)]
@@ -836,25 +499,32 @@ mod tests {
             }
         }
         assert!(scenario("nope", &opts).is_none());
-        assert_eq!(
-            announced_throughput("serving stage 1 of 4 on cpu: 250.0 samples/s"),
-            Some(250.0)
-        );
-        use std::sync::atomic::Ordering::Relaxed;
-        let c = crate::stage::service::Counters::default();
-        c.jobs.store(10, Relaxed);
-        c.compute_us.store(200_000, Relaxed);
-        c.decode_us.store(1_000, Relaxed);
-        c.encode_us.store(2_000, Relaxed);
-        c.stage_in.store(1_500_000, Relaxed);
-        // The line exactly as a peer prints it on stop.
-        let (s, t) = StageTimes::parse(&format!("stage 2 {}", c.line())).unwrap();
-        assert_eq!(s, 2);
+    }
+
+    #[test]
+    fn stage_times_come_from_the_counters_and_window_differences() {
+        let c = CounterSnapshot {
+            jobs: 10,
+            compute_us: 200_000,
+            decode_us: 1_000,
+            encode_us: 2_000,
+            stage_in: 1_500_000,
+            ..CounterSnapshot::default()
+        };
+        let t = StageTimes::of(&c);
         assert_eq!(
             (t.jobs, t.compute_ms, t.codec_ms, t.in_mb),
             (10.0, 200.0, 3.0, 1.5)
         );
         assert!(t.line().contains("compute 20.0 ms"));
-        assert!(StageTimes::parse("stage x replica counters: jobs 1").is_none());
+        let later = StageTimes::of(&CounterSnapshot {
+            jobs: 30,
+            compute_us: 700_000,
+            ..c
+        });
+        let w = later.since(&t, 1_000.0);
+        assert_eq!((w.jobs, w.compute_ms), (20.0, 500.0));
+        assert_eq!(w.busy(), Some(0.5));
+        assert_eq!(t.busy(), None);
     }
 }

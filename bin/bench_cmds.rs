@@ -1,0 +1,238 @@
+//! The commands that start many peers or measure: `demo` (the swarm one), `bench
+//! transfer`, `bench allreduce` and `bench swarm`, with their tables.
+
+use crate::harness::{bench_swarm, demo as swarm_demo, scenarios as bs};
+use crate::peer_cmd::runtime;
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+pub fn bench_transfer(
+    mib: usize,
+    reps: usize,
+    codecs: Option<String>,
+    quic: bool,
+) -> Result<ExitCode> {
+    if mib == 0 || mib > 256 {
+        bail!("--mib must be between 1 and 256 (the frame limit)");
+    }
+    let mut cfg = shoal::bench::transfer::TransferBenchConfig {
+        mib,
+        reps: reps.max(1),
+        quic,
+        ..Default::default()
+    };
+    if let Some(list) = codecs {
+        cfg.codecs = list
+            .split(',')
+            .map(crate::parse_codec)
+            .collect::<Result<_>>()?;
+    }
+    println!(
+        "transfer benchmark: one {mib} MiB f32 tensor between two peers on 127.0.0.1 over {}, median of {}",
+        if quic { "QUIC" } else { "TCP+noise+yamux" },
+        cfg.reps
+    );
+    let rt = runtime()?;
+    let rows = rt.block_on(shoal::bench::transfer::run(&cfg))?;
+    print!("{}", shoal::bench::transfer::table(&cfg, &rows));
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn demo(
+    stages: usize,
+    replicas: usize,
+    trainers: usize,
+    steps: Option<u64>,
+    churn: bool,
+) -> Result<ExitCode> {
+    if stages == 0 || replicas == 0 || trainers == 0 {
+        bail!("--stages, --replicas and --trainers must be at least 1");
+    }
+    if churn && replicas < 2 {
+        bail!("churn needs at least 2 replicas per stage (or pass --no-churn)");
+    }
+    let exe = std::env::current_exe().context("cannot find the shoal binary to start peers")?;
+    let steps = steps.unwrap_or(swarm_demo::DEMO_STEPS);
+    let cfg = swarm_demo::DemoConfig {
+        exe,
+        stages,
+        replicas,
+        trainers,
+        steps,
+        churn,
+    };
+    println!("shoal demo: a swarm of processes on 127.0.0.1 trains the built-in tiny model on the built-in Markov corpus");
+    let rt = runtime()?;
+    let r = rt.block_on(swarm_demo::run(&cfg, &|l| println!("{l}")))?;
+    let p = &r.progress;
+    println!(
+        "done: {} steps in {:.1} s, {:.1} samples/s; samples fed {} completed {} failed {}",
+        p.step,
+        r.seconds,
+        p.completed as f64 / r.seconds.max(1e-9),
+        p.fed,
+        p.completed,
+        p.failed
+    );
+    println!(
+        "wire: trainers moved {:.1} MB of frames for {:.1} MB of f32 tensors ({:.2}x smaller)",
+        p.wire as f64 / 1e6,
+        p.raw as f64 / 1e6,
+        p.raw as f64 / p.wire.max(1) as f64
+    );
+    for (s, reps) in r.hashes.iter().enumerate() {
+        let list: Vec<String> = reps
+            .iter()
+            .map(|(peer, step, hash)| format!("{}..@{step}:{hash}", &peer[..12.min(peer.len())]))
+            .collect();
+        println!("stage {s} replicas: {}", list.join("  "));
+    }
+    println!(
+        "replica parameters {}",
+        if r.identical {
+            "identical within every stage"
+        } else {
+            "DIFFER within a stage"
+        }
+    );
+    let entropy = r
+        .entropy
+        .map(|h| format!(", corpus entropy {h:.4} (gap {:.4})", r.eval_loss - h))
+        .unwrap_or_default();
+    match r.target {
+        Some(t) if r.eval_loss <= t && r.identical => {
+            println!(
+                "demo ok: eval loss {:.4} reached the target {t}{entropy}",
+                r.eval_loss
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(t) => {
+            println!(
+                "demo FAILED: eval loss {:.4} (target {t}){entropy}",
+                r.eval_loss
+            );
+            Ok(ExitCode::FAILURE)
+        }
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
+
+pub fn bench_swarm(
+    scenarios: &str,
+    (seconds, samples): (f64, Option<u64>),
+    warmup: f64,
+    concurrency: usize,
+    json: Option<PathBuf>,
+) -> Result<ExitCode> {
+    if !(seconds.is_finite() && seconds >= 1.0 && warmup.is_finite() && warmup >= 0.0) {
+        bail!("--seconds must be at least 1 and --warmup at least 0");
+    }
+    if concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    if samples == Some(0) {
+        bail!("--samples must be at least 1");
+    }
+    let names: Vec<&str> = if scenarios == "all" {
+        bs::SCENARIOS.to_vec()
+    } else {
+        scenarios.split(',').map(str::trim).collect()
+    };
+    let opts = bs::BenchOptions {
+        exe: std::env::current_exe().context("cannot find the shoal binary to start peers")?,
+        warmup,
+        seconds,
+        samples,
+        concurrency,
+    };
+    let mut setups = Vec::new();
+    for n in &names {
+        match bs::scenario(n, &opts) {
+            Some(s) => setups.extend(s),
+            None => bail!(
+                "unknown scenario {n:?}; known: {}, all",
+                bs::SCENARIOS.join(", ")
+            ),
+        }
+    }
+    let mut rows = Vec::new();
+    for s in &setups {
+        println!(
+            "running {} ({} replicas, {} trainers)",
+            s.label,
+            s.replicas.len(),
+            s.trainers.len()
+        );
+        let row = bench_swarm::run_setup(s, &opts, &|l| println!("{l}"))?;
+        println!("{}", bs::HEADER);
+        println!("{}", row.line());
+        if let Some(t) = row.stages.get(row.focus) {
+            println!(
+                "  stage {} (bound: {}) {}",
+                row.focus,
+                row.bottleneck,
+                t.line()
+            );
+        }
+        rows.push(row);
+    }
+    println!();
+    println!("{}", bs::HEADER);
+    for r in &rows {
+        println!("{}", r.line());
+    }
+    if let Some(path) = json {
+        let v = serde_json::Value::Array(rows.iter().map(|r| r.to_json()).collect());
+        let text = serde_json::to_string_pretty(&v)?;
+        shoal::files::write_atomic(&path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn bench_allreduce(
+    peers: usize,
+    floats: usize,
+    codec: &str,
+    link: Option<&str>,
+    reps: usize,
+) -> Result<ExitCode> {
+    use shoal::bench::allreduce as ar;
+    let cfg = ar::AllreduceConfig {
+        peers,
+        floats,
+        codec: codec.parse()?,
+        link: link.map(shoal::net::link::LinkSpec::parse).transpose()?,
+        reps,
+    };
+    let rt = runtime()?;
+    let r = rt.block_on(ar::run(&cfg))?;
+    let link = cfg
+        .link
+        .map_or_else(|| "no emulation".to_string(), |l| l.to_string());
+    println!(
+        "all-reduce of {floats} floats among {peers} peers, {} ({link})",
+        cfg.codec
+    );
+    println!(
+        "median {:.1} ms, best {:.1} ms; vector {:.2} MB encoded",
+        r.median_s * 1e3,
+        r.best_s * 1e3,
+        r.vector_bytes as f64 / 1e6
+    );
+    match r.bound_s {
+        Some(b) => println!(
+            "bound 2(N-1)/N x bytes / bandwidth = {:.1} ms: efficiency {:.2}",
+            b * 1e3,
+            b / r.median_s
+        ),
+        None => println!("no bandwidth limit: no bound"),
+    }
+    println!(
+        "error vs the exact mean: max abs {:.2e}, relative RMS {:.2e}",
+        r.max_abs_err, r.rel_rms_err
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,101 @@
+//! The short commands: `run new`, `swarm key`, `status` and `probe`.
+
+use crate::args::{client_config, require_bootstrap, ProbeArgs, StatusArgs};
+use crate::peer_cmd::runtime;
+use anyhow::{bail, Context, Result};
+use shoal::dht::Manifest;
+use shoal::net::{self, keys};
+use shoal::stage::status;
+use shoal::swarm::peer::RunSource;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+pub fn run_new(config: PathBuf, out: PathBuf) -> Result<ExitCode> {
+    let m = Manifest::load(&config)?;
+    shoal::model::checkpoint::write_atomic(&out, m.file_text().as_bytes())
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    eprintln!(
+        "wrote the manifest of run {} ({} stages) to {}",
+        m.id,
+        m.config.stages.count,
+        out.display()
+    );
+    println!("{}", m.id);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn swarm_key(out: PathBuf) -> Result<ExitCode> {
+    keys::write_swarm_key(&out, keys::new_swarm_key()?)?;
+    eprintln!(
+        "wrote a new swarm key to {}; give it to every peer of the private swarm (--swarm-key)",
+        out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn status(a: StatusArgs) -> Result<ExitCode> {
+    require_bootstrap(&a.net)?;
+    if let Some(r) = &a.run {
+        if !shoal::dht::is_run_id(r) {
+            bail!("--run {r:?} is not a run id (32 hex digits, printed by `shoal run new`)");
+        }
+    }
+    let (cfg, bootstrap) = client_config(&a.net)?;
+    let rt = runtime()?;
+    let runs = rt.block_on(async move {
+        let handle = net::start(cfg)?;
+        shoal::swarm::peer::join(&handle, &bootstrap).await?;
+        let runs = status::gather(&handle, a.run.as_deref()).await?;
+        handle.shutdown().await;
+        Ok::<_, anyhow::Error>(runs)
+    })?;
+    if a.json {
+        println!("{}", status::to_json(&runs));
+    } else {
+        print!("{}", status::render(&runs));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
+    require_bootstrap(&a.net)?;
+    let source = RunSource::parse(&a.run);
+    let from_file = match &source {
+        RunSource::File(p) => Some(Manifest::load(p)?),
+        RunSource::Id(_) => None,
+    };
+    let (cfg, bootstrap) = client_config(&a.net)?;
+    let rt = runtime()?;
+    let (m, report) = rt.block_on(async move {
+        let handle = net::start(cfg)?;
+        shoal::swarm::peer::join(&handle, &bootstrap).await?;
+        let m = match (from_file, source) {
+            (Some(m), _) => m,
+            (None, RunSource::Id(id)) => {
+                shoal::stage::registry::fetch_manifest(&handle, &id, Duration::from_secs(5)).await?
+            }
+            (None, RunSource::File(p)) => Manifest::load(&p)?,
+        };
+        let report = shoal::stage::probe::probe(&handle, &m, a.check).await?;
+        handle.shutdown().await;
+        Ok::<_, anyhow::Error>((m, report))
+    })?;
+    println!(
+        "probe of run {}: one microbatch of {} sequences",
+        m.id, m.config.training.batch_size
+    );
+    for h in &report.hops {
+        println!(
+            "  stage {} {:<8} on {}  {:>8.1} ms",
+            h.stage, h.op, h.peer, h.ms
+        );
+    }
+    let total: f64 = report.hops.iter().map(|h| h.ms).sum();
+    println!("loss {:.6} after {total:.1} ms of calls", report.loss);
+    if let Some(l) = report.local_loss {
+        let diff = (l - report.loss).abs();
+        println!("local loss {l:.6} (difference {diff:.2e}; exact with f32 activations at step 0)");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,341 @@
+//! `shoal bench swarm`: a local swarm of separate processes measured against its bound
+//! ([`super::scenarios`]). The bench reads the processes' status streams: the replicas'
+//! counters (every 500 ms), the trainers' progress and their reasons for failures.
+
+use super::scenarios::{bound, link_arg, BenchOptions, ReplicaSpec, Row, Setup, StageTimes};
+use super::{peer_args, spawn_bootstrap, stop_all, HarnessError, Proc};
+use shoal::dht::Manifest;
+use shoal::net::link::LinkSpec;
+use shoal::swarm::events::Event;
+use shoal::trainer::report::Progress;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn trainer_args(setup: &Setup, id: &str, boot: &str, link: &LinkSpec, idx: usize) -> Vec<String> {
+    let conc = setup.concurrency;
+    [
+        "train",
+        "--run",
+        id,
+        "--bootstrap",
+        boot,
+        "--trainers",
+        "1",
+        "--concurrency",
+        &conc.to_string(),
+        "--data-index",
+        &(idx as u64 * 1000).to_string(),
+        "--report-ms",
+        "250",
+        "--no-sync-steps",
+        "--routing",
+        setup.routing,
+        "--emulate-link",
+        &link_arg(link),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain(
+        setup
+            .call_timeout
+            .into_iter()
+            .flat_map(|t| ["--call-timeout".to_string(), t.to_string()]),
+    )
+    .collect()
+}
+
+/// Arguments of a stage peer. `in_flight` is the microbatches all trainers keep in flight:
+/// every replica's queue holds them all, so a replica never refuses work for being full
+/// (which would let the fixed round-robin baseline steer around a slow replica), and it
+/// keeps as many forwards, so a backward never recomputes for want of room.
+fn replica_args(
+    id: &str,
+    boot: &str,
+    r: &ReplicaSpec,
+    key: &str,
+    stage: &str,
+    in_flight: usize,
+) -> Vec<String> {
+    let mut a = peer_args(id, Some(boot), stage, key);
+    let room = in_flight.max(8).to_string();
+    a.extend(
+        [
+            "--allow-sim",
+            "--rebalance-every",
+            "0",
+            "--queue",
+            &room,
+            "--keep-forwards",
+            &room,
+            "--counters-ms",
+            "500",
+            "--sim-slowdown",
+            &r.slowdown.to_string(),
+            "--emulate-link",
+            &link_arg(&r.link),
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    a
+}
+
+/// Reads the trainers' events: their latest progress, and the reasons they report for
+/// failed samples and swapped calls into `why`.
+fn drain(trainers: &mut [Proc], last: &mut [Progress], why: &mut Vec<String>) {
+    for (t, l) in trainers.iter_mut().zip(last.iter_mut()) {
+        for e in t.drain() {
+            match e {
+                Event::Progress { progress, .. } | Event::Done { progress } => *l = progress,
+                Event::Reasons { failed, swapped } => {
+                    for (reason, n) in failed {
+                        why.push(format!("{}: failed {n} samples: {reason}", t.name));
+                    }
+                    for (reason, n) in swapped {
+                        why.push(format!("{}: swapped {n} calls: {reason}", t.name));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Each replica's latest counters (by process name): its stage, when they were read, and
+/// their values.
+type Readings = std::collections::HashMap<String, (usize, Instant, StageTimes)>;
+
+/// Reads the counters the replicas report every `--counters-ms` into `latest`, and each
+/// replica's first reading into `first` (their other events are consumed and dropped).
+fn read_counters(peers: &mut [(usize, Proc)], latest: &mut Readings, first: &mut Readings) {
+    for (_, p) in peers.iter_mut() {
+        for e in p.drain() {
+            if let Event::Counters { stage, counters } = e {
+                let r = (stage, Instant::now(), StageTimes::of(&counters));
+                first.entry(p.name.clone()).or_insert_with(|| r.clone());
+                latest.insert(p.name.clone(), r);
+            }
+        }
+    }
+}
+
+/// Per replica, the counters over the window between two sets of readings. A replica
+/// that joined inside the window counts from its first reading (`first`), one that died
+/// inside it up to its last.
+fn window(start: &Readings, end: &Readings, first: &Readings) -> Vec<(String, usize, StageTimes)> {
+    let mut names: Vec<&String> = end.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let (s, t1, c1) = end.get(name)?;
+            let (_, t0, c0) = start.get(name).or_else(|| first.get(name))?;
+            let w = c1.since(c0, t1.saturating_duration_since(*t0).as_secs_f64() * 1e3);
+            Some((name.clone(), *s, w))
+        })
+        .collect()
+}
+
+/// Runs one setup; `out` receives progress lines.
+pub fn run_setup(
+    setup: &Setup,
+    opts: &BenchOptions,
+    out: &dyn Fn(String),
+) -> Result<Row, HarnessError> {
+    let dir = std::env::temp_dir().join(format!(
+        "shoal-bench-{}-{}",
+        std::process::id(),
+        setup.label.replace('/', "-")
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
+    let r = run_in(setup, opts, &dir, out);
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+fn run_in(
+    setup: &Setup,
+    opts: &BenchOptions,
+    dir: &Path,
+    out: &dyn Fn(String),
+) -> Result<Row, HarnessError> {
+    let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
+    let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
+    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
+    let exe = &opts.exe;
+    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    let in_flight = setup.concurrency * setup.trainers.len();
+    let mut peers: Vec<(usize, Proc)> = Vec::new();
+    let mut compute = Vec::new();
+    for (i, r) in setup.replicas.iter().enumerate() {
+        let name = format!("stage{}-replica{i}", r.stage);
+        let args = replica_args(
+            &m.id,
+            &baddr,
+            r,
+            &format!("{name}.key"),
+            &r.stage.to_string(),
+            in_flight,
+        );
+        let mut p = Proc::spawn(exe, dir, &name, &args)?;
+        let tp = p.wait_for("its throughput", Duration::from_secs(60), |e| match e {
+            Event::Serving { samples_per_s, .. } => Some(*samples_per_s),
+            _ => None,
+        })?;
+        compute.push(tp);
+        peers.push((i, p));
+    }
+    for (_, p) in peers.iter_mut() {
+        p.wait_ready(Duration::from_secs(60))?;
+    }
+    let mut trainers = Vec::new();
+    for (t, l) in setup.trainers.iter().enumerate() {
+        let args = trainer_args(setup, &m.id, &baddr, l, t);
+        trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
+    }
+    let mut last = vec![Progress::default(); trainers.len()];
+    let mut why = Vec::new();
+    let started = Instant::now();
+    let warm_end = started + Duration::from_secs_f64(opts.warmup);
+    // A churn window holds at least two kills and 5 s after the second, whatever
+    // `--seconds` says (kills come every period from the start).
+    let seconds = match setup.churn {
+        Some(p) => {
+            let p = p.as_secs_f64();
+            let first_inside = (opts.warmup / p).floor() + 1.0;
+            opts.seconds
+                .max((first_inside + 1.0) * p + 5.0 - opts.warmup)
+        }
+        None => opts.seconds,
+    };
+    let end = warm_end + Duration::from_secs_f64(seconds);
+    let mut at_warm: Option<(Instant, Progress)> = None;
+    let (mut latest, mut first) = (Readings::new(), Readings::new());
+    let mut warm_readings = Readings::new();
+    let mut next_kill = setup.churn.map(|p| started + p);
+    let mut killed = 0;
+    let mut next_print = started;
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        drain(&mut trainers, &mut last, &mut why);
+        read_counters(&mut peers, &mut latest, &mut first);
+        let now = Instant::now();
+        if at_warm.is_none() && now >= warm_end {
+            at_warm = Some((now, Progress::sum(&last)));
+            warm_readings = latest.clone();
+        }
+        if let (Some(n), Some((_, p0))) = (opts.samples, &at_warm) {
+            if Progress::sum(&last).completed.saturating_sub(p0.completed) >= n {
+                break;
+            }
+        }
+        if let (Some(k), Some(period)) = (next_kill, setup.churn) {
+            if now >= k {
+                next_kill = Some(now + period);
+                // The oldest replica of stage 1 dies; a fresh peer joins where it is weakest.
+                if let Some(pos) = peers
+                    .iter()
+                    .position(|(i, _)| setup.replicas.get(*i).map(|r| r.stage) == Some(1))
+                {
+                    let (i, mut victim) = peers.remove(pos);
+                    victim.kill();
+                    killed += 1;
+                    let spec = setup.replicas[i].clone();
+                    let name = format!("joiner{killed}");
+                    let key = format!("{name}.key");
+                    let args = replica_args(&m.id, &baddr, &spec, &key, "auto", in_flight);
+                    out(format!("churn: SIGKILLed {}, starting {name}", victim.name));
+                    let p = Proc::spawn(exe, dir, &name, &args)?;
+                    peers.push((i, p));
+                }
+            }
+        }
+        if now >= next_print {
+            next_print = now + Duration::from_secs(5);
+            let s = Progress::sum(&last);
+            out(format!(
+                "  [{:>4.0}s] {}: completed {} failed {} wire {:.1} MB",
+                started.elapsed().as_secs_f64(),
+                setup.label,
+                s.completed,
+                s.failed,
+                s.wire as f64 / 1e6
+            ));
+        }
+    }
+    drain(&mut trainers, &mut last, &mut why);
+    read_counters(&mut peers, &mut latest, &mut first);
+    let end_readings = latest.clone();
+    let fin = Progress::sum(&last);
+    let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
+    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    let done = fin.completed.saturating_sub(p0.completed);
+    let samples_per_s = done as f64 / secs;
+    let bytes_per_sample = fin.wire.saturating_sub(p0.wire) as f64 / (done.max(1)) as f64;
+    let ratio = if fin.raw > 0 {
+        fin.wire as f64 / fin.raw as f64
+    } else {
+        1.0
+    };
+    // Stop the trainers gracefully (SIGTERM): in-flight microbatches finish, and the last
+    // line gives the final accounting.
+    stop_all(trainers.iter_mut(), Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(300));
+    drain(&mut trainers, &mut last, &mut why);
+    let end_p = Progress::sum(&last);
+    for w in &why {
+        out(format!("  {w}"));
+    }
+    stop_all(peers.iter_mut().map(|(_, p)| p), Duration::from_secs(15));
+    // The breakdown covers the measured window only: the difference of the readings
+    // taken as it opened and as it closed.
+    let mut stages = vec![StageTimes::default(); setup.run.stages.count];
+    for (name, s, t) in window(&warm_readings, &end_readings, &first) {
+        out(format!("  {name}: {}", t.line()));
+        if let Some(acc) = stages.get_mut(s) {
+            acc.add(&t);
+        }
+    }
+    boot.stop();
+    let (b, what, slowest) = bound(setup, &compute, ratio);
+    // Where compute binds, the busiest stage is the one holding the swarm back (stages
+    // whose bounds tie differ in how busy they actually are).
+    let busiest = (0..stages.len())
+        .filter_map(|i| stages[i].busy().map(|b| (i, b)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
+        .filter(|_| what.ends_with("compute"));
+    let focus = busiest
+        .or_else(|| {
+            what.strip_prefix("stage ")
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+        })
+        .unwrap_or_else(|| {
+            // The trainers bind: explain the stage that waits longest on the network.
+            (0..stages.len())
+                .max_by(|&a, &b| stages[a].read_ms.total_cmp(&stages[b].read_ms))
+                .unwrap_or(0)
+        });
+    Ok(Row {
+        scenario: setup.label.clone(),
+        samples_per_s,
+        bound: b,
+        efficiency: if b > 0.0 { samples_per_s / b } else { 0.0 },
+        bytes_per_sample,
+        bottleneck: what,
+        utilisation: if slowest > 0.0 {
+            samples_per_s / slowest
+        } else {
+            0.0
+        },
+        fed: end_p.fed,
+        completed: end_p.completed,
+        failed: end_p.failed,
+        vanished: end_p.fed as i64 - end_p.completed as i64 - end_p.failed as i64,
+        killed,
+        swaps: end_p.swaps,
+        stages,
+        focus,
+    })
+}

@@ -1,0 +1,256 @@
+//! `shoal demo`: a whole swarm on this machine, as separate processes of this binary.
+//!
+//! A bootstrap peer (DHT only), `replicas` peers for each of `stages` stages and `trainers`
+//! trainer processes train `configs/tiny.toml` on the built-in corpus over 127.0.0.1.
+//! With churn on, one replica of the middle stage is SIGKILLed at 40% of the steps and a
+//! fresh peer with `--stage auto` is started: it joins the weakest stage and downloads its
+//! state. The demo prints live progress, then evaluates the swarm's model on held-out
+//! batches and compares replica parameter hashes.
+
+use super::{peer_args, spawn_bootstrap, stop_all, HarnessError, Proc};
+use libp2p::Multiaddr;
+use shoal::config::RunConfig;
+use shoal::data::TokenSource;
+use shoal::dht::{Announcement, Manifest};
+use shoal::net::{self, NetConfig, NetHandle};
+use shoal::stage::{probe, registry};
+use shoal::swarm::events::Event;
+use shoal::trainer::report::Progress;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Steps the demo trains by default.
+pub const DEMO_STEPS: u64 = 400;
+
+/// Samples per optimizer step in the demo (two microbatches of 16).
+pub const DEMO_TARGET_BATCH: usize = 32;
+
+/// Knobs of the demo.
+#[derive(Debug, Clone)]
+pub struct DemoConfig {
+    /// The `shoal` binary to start.
+    pub exe: PathBuf,
+    /// Pipeline stages.
+    pub stages: usize,
+    /// Replicas per stage.
+    pub replicas: usize,
+    /// Trainer processes.
+    pub trainers: usize,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Kill a replica midway and start a fresh peer.
+    pub churn: bool,
+}
+
+/// What the demo measured.
+#[derive(Debug, Clone)]
+pub struct DemoReport {
+    /// Wall seconds of training (from the first trainer start to the last trainer exit).
+    pub seconds: f64,
+    /// The trainers' totals at the end.
+    pub progress: Progress,
+    /// Held-out loss of the swarm's model.
+    pub eval_loss: f64,
+    /// The corpus entropy rate, when known.
+    pub entropy: Option<f64>,
+    /// The run's target loss.
+    pub target: Option<f64>,
+    /// Per stage: (peer, step, hash) of every live replica.
+    pub hashes: Vec<Vec<(String, u64, String)>>,
+    /// Whether every stage's replicas agree on step and hash.
+    pub identical: bool,
+}
+
+/// The run the demo trains.
+pub fn demo_config(stages: usize, steps: u64) -> RunConfig {
+    let mut cfg = RunConfig::tiny();
+    cfg.stages.count = stages;
+    cfg.stages.cuts.clear();
+    cfg.training.steps = steps;
+    cfg.training.target_batch_size = Some(DEMO_TARGET_BATCH);
+    cfg.optimizer.warmup_steps = 15;
+    cfg
+}
+
+async fn swarm_hashes(
+    net: &NetHandle,
+    m: &Manifest,
+) -> Result<Vec<Vec<Announcement>>, HarnessError> {
+    registry::read_run(net, &m.id, m.config.stages.count)
+        .await
+        .map_err(|e| HarnessError::Swarm(e.to_string()))
+}
+
+/// Runs the demo; `out` receives every line to print.
+pub async fn run(
+    cfg: &DemoConfig,
+    out: &(dyn Fn(String) + Sync),
+) -> Result<DemoReport, HarnessError> {
+    let dir = std::env::temp_dir().join(format!("shoal-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
+    let result = run_in(cfg, &dir, out).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn run_in(
+    cfg: &DemoConfig,
+    dir: &Path,
+    out: &(dyn Fn(String) + Sync),
+) -> Result<DemoReport, HarnessError> {
+    let run_cfg = demo_config(cfg.stages, cfg.steps);
+    let m = Manifest::from_config(&run_cfg).map_err(|e| HarnessError::Process(e.to_string()))?;
+    let manifest_path = dir.join("run.toml");
+    std::fs::write(&manifest_path, m.file_text())
+        .map_err(|e| HarnessError::Process(e.to_string()))?;
+    let exe = &cfg.exe;
+    out(format!(
+        "run {}: {} stages x {} replicas, {} trainers, {} steps of {} samples, activations {}, gradients {}",
+        m.id,
+        cfg.stages,
+        cfg.replicas,
+        cfg.trainers,
+        cfg.steps,
+        run_cfg.target_batch_size(),
+        run_cfg.codecs.activations,
+        run_cfg.codecs.gradients
+    ));
+    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    out(format!("bootstrap peer {baddr}"));
+    let mut peers: Vec<(usize, Proc)> = Vec::new();
+    for s in 0..cfg.stages {
+        for r in 0..cfg.replicas {
+            let name = format!("stage{s}-replica{r}");
+            let args = peer_args(&m.id, Some(&baddr), &s.to_string(), &format!("{name}.key"));
+            peers.push((s, Proc::spawn(exe, dir, &name, &args)?));
+        }
+    }
+    for (_, p) in peers.iter_mut() {
+        p.wait_ready(Duration::from_secs(60))?;
+    }
+    out(format!("{} stage peers ready", peers.len()));
+    let mut client_cfg = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), Vec::new());
+    client_cfg.dht_server = false;
+    let net = net::start(client_cfg).map_err(|e| HarnessError::Swarm(e.to_string()))?;
+    let baddr_m: Multiaddr = baddr
+        .parse()
+        .map_err(|e| HarnessError::Swarm(format!("{e}")))?;
+    net.dial(baddr_m)
+        .await
+        .map_err(|e| HarnessError::Swarm(e.to_string()))?;
+    let started = Instant::now();
+    let mut trainers = Vec::new();
+    for t in 0..cfg.trainers {
+        let args: Vec<String> = [
+            "train",
+            "--run",
+            &m.id,
+            "--bootstrap",
+            &baddr,
+            "--trainers",
+            "1",
+            "--data-index",
+            &(t as u64 * 1000).to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
+    }
+    let mut last: Vec<Progress> = vec![Progress::default(); cfg.trainers];
+    let mut churned = !cfg.churn;
+    let mut joiner: Option<Proc> = None;
+    let mut next_print = Instant::now();
+    loop {
+        latest_progress(&mut trainers, &mut last);
+        let step = last.iter().map(|p| p.step).max().unwrap_or(0);
+        if !churned && step >= cfg.steps * 2 / 5 {
+            churned = true;
+            let mid = cfg.stages / 2;
+            if let Some(pos) = peers.iter().position(|(s, _)| *s == mid) {
+                let (_, mut victim) = peers.remove(pos);
+                victim.kill();
+                out(format!("churn: SIGKILLed {} at step {step}", victim.name));
+                let args = peer_args(&m.id, Some(&baddr), "auto", "joiner.key");
+                let mut j = Proc::spawn(exe, dir, "joiner", &args)?;
+                let synced = j.wait_for("its state download", Duration::from_secs(30), |e| {
+                    matches!(e, Event::Synced { .. }).then(|| e.clone())
+                });
+                if let Ok(e) = synced {
+                    out(format!("churn: a fresh peer joined: {e}"));
+                }
+                joiner = Some(j);
+            }
+        }
+        if Instant::now() >= next_print {
+            next_print = Instant::now() + Duration::from_secs(5);
+            let total = Progress::sum(&last);
+            let secs = started.elapsed().as_secs_f64();
+            let per_stage = swarm_hashes(&net, &m).await.unwrap_or_default();
+            let counts: Vec<String> = per_stage.iter().map(|v| v.len().to_string()).collect();
+            out(format!(
+                "[{secs:>5.0}s] step {:>4}/{}  loss {:.4}  samples/s {:>6.1}  wire {:.1} MB (x{:.2} smaller than f32)  peers per stage [{}]",
+                total.step,
+                cfg.steps,
+                total.loss,
+                total.completed as f64 / secs.max(1e-9),
+                total.wire as f64 / 1e6,
+                total.raw as f64 / (total.wire.max(1)) as f64,
+                counts.join(" ")
+            ));
+        }
+        if trainers.iter_mut().all(Proc::exited) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    latest_progress(&mut trainers, &mut last);
+    let seconds = started.elapsed().as_secs_f64();
+    // Let the last rounds settle before comparing replicas.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let eval_loss = probe::evaluate(&net, &m, 8)
+        .await
+        .map_err(|e| HarnessError::Swarm(e.to_string()))?;
+    let per_stage = swarm_hashes(&net, &m).await?;
+    let hashes: Vec<Vec<(String, u64, String)>> = per_stage
+        .iter()
+        .map(|v| {
+            v.iter()
+                .map(|a| (a.peer.clone(), a.step, a.params_hash.clone()))
+                .collect()
+        })
+        .collect();
+    let identical = hashes
+        .iter()
+        .all(|v| v.windows(2).all(|w| w[0].1 == w[1].1 && w[0].2 == w[1].2));
+    let entropy = TokenSource::open(&run_cfg)
+        .ok()
+        .and_then(|s| s.entropy_rate());
+    stop_all(
+        peers.iter_mut().map(|(_, p)| p).chain(joiner.as_mut()),
+        Duration::from_secs(8),
+    );
+    boot.stop();
+    net.shutdown().await;
+    Ok(DemoReport {
+        seconds,
+        progress: Progress::sum(&last),
+        eval_loss,
+        entropy,
+        target: run_cfg.training.target_loss,
+        hashes,
+        identical,
+    })
+}
+
+/// Takes each trainer's latest totals from the events it reported since the last call.
+fn latest_progress(trainers: &mut [Proc], last: &mut [Progress]) {
+    for (t, l) in trainers.iter_mut().zip(last.iter_mut()) {
+        for e in t.drain() {
+            match e {
+                Event::Progress { progress, .. } | Event::Done { progress } => *l = progress,
+                _ => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! Starting `shoal` processes on this machine and reading what they report: the harness of
+//! `shoal demo` and `shoal bench swarm`. A child runs with `--events -`, so its stdout is a
+//! stream of JSON events ([`Event`]) and its human-readable lines go to its stderr (dropped,
+//! or kept in `$SHOAL_DEMO_LOGS/NAME.err`). Nothing here reads printed text.
+//!
+//! - [`demo`]: `shoal demo`.
+//! - [`bench_swarm`] and [`scenarios`]: `shoal bench swarm`.
+
+pub mod bench_swarm;
+pub mod demo;
+pub mod scenarios;
+
+use shoal::swarm::events::Event;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Why a harness could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// A process could not be started or failed.
+    #[error("{0}")]
+    Process(String),
+    /// The swarm could not be read.
+    #[error("{0}")]
+    Swarm(String),
+}
+
+/// Events a child may report before the harness reads them; beyond this, new ones are
+/// dropped (the periodic ones carry totals, so a later one replaces a lost one).
+const EVENTS_QUEUED: usize = 4096;
+
+/// A child process of this binary and the events it reports.
+pub struct Proc {
+    /// Its name in logs and errors.
+    pub name: String,
+    /// The process.
+    pub child: Child,
+    events: mpsc::Receiver<Event>,
+}
+
+impl Proc {
+    /// Starts `exe args... --events -` in `dir`.
+    pub fn spawn(
+        exe: &Path,
+        dir: &Path,
+        name: &str,
+        args: &[String],
+    ) -> Result<Self, HarnessError> {
+        let stderr = match std::env::var_os("SHOAL_DEMO_LOGS") {
+            Some(d) => std::fs::File::create(Path::new(&d).join(format!("{name}.err")))
+                .map(Stdio::from)
+                .unwrap_or_else(|_| Stdio::null()),
+            None => Stdio::null(),
+        };
+        let mut child = Command::new(exe)
+            .args(args)
+            .args(["--events", "-"])
+            .current_dir(dir)
+            .env("RAYON_NUM_THREADS", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| HarnessError::Process(format!("cannot start {}: {e}", exe.display())))?;
+        let (tx, rx) = mpsc::sync_channel(EVENTS_QUEUED);
+        if let Some(out) = child.stdout.take() {
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    let Ok(event) = serde_json::from_str::<Event>(&line) else {
+                        continue;
+                    };
+                    match tx.try_send(event) {
+                        Ok(()) | Err(mpsc::TrySendError::Full(_)) => {}
+                        Err(mpsc::TrySendError::Disconnected(_)) => break,
+                    }
+                }
+            });
+        }
+        Ok(Self {
+            name: name.to_string(),
+            child,
+            events: rx,
+        })
+    }
+
+    /// The events reported since the last call, without waiting.
+    pub fn drain(&mut self) -> Vec<Event> {
+        self.events.try_iter().collect()
+    }
+
+    /// Waits up to `timeout` for an event that `pick` maps to a value; the events before
+    /// it are consumed.
+    pub fn wait_for<T>(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        mut pick: impl FnMut(&Event) -> Option<T>,
+    ) -> Result<T, HarnessError> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            match self.events.recv_timeout(Duration::from_millis(100)) {
+                Ok(e) => {
+                    if let Some(v) = pick(&e) {
+                        return Ok(v);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(st)) = self.child.try_wait() {
+                        return Err(HarnessError::Process(format!(
+                            "{} exited ({st})",
+                            self.name
+                        )));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(HarnessError::Process(format!(
+                        "{} closed its output",
+                        self.name
+                    )))
+                }
+            }
+        }
+        Err(HarnessError::Process(format!(
+            "{} did not report {what} within {timeout:?}",
+            self.name
+        )))
+    }
+
+    /// Waits until the peer reports that it is ready.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), HarnessError> {
+        self.wait_for("ready", timeout, |e| {
+            matches!(e, Event::Ready { .. }).then_some(())
+        })
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within 3 s.
+    pub fn stop(&mut self) {
+        self.stop_within(Duration::from_secs(3));
+    }
+
+    /// SIGKILL: what a crash looks like to the swarm.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Sends SIGTERM (Unix) without waiting.
+    pub fn terminate(&mut self) {
+        #[cfg(unix)]
+        {
+            let _ = Command::new("kill")
+                .arg(self.child.id().to_string())
+                .status();
+        }
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub fn stop_within(&mut self, grace: Duration) {
+        #[cfg(unix)]
+        {
+            // SIGTERM first: a peer withdraws its announcements and exits cleanly.
+            self.terminate();
+            let deadline = Instant::now() + grace;
+            while Instant::now() < deadline {
+                if self.exited() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        self.kill();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.kill();
+        }
+    }
+}
+
+/// Starts the bootstrap peer (DHT only) of the run in `dir/run.toml`; returns it and the
+/// loopback address it listens on.
+pub fn spawn_bootstrap(exe: &Path, dir: &Path) -> Result<(Proc, String), HarnessError> {
+    let mut boot = Proc::spawn(
+        exe,
+        dir,
+        "bootstrap",
+        &peer_args("run.toml", None, "none", "boot.key"),
+    )?;
+    let addr = boot.wait_for("its address", Duration::from_secs(20), |e| match e {
+        Event::Listening { addr } if addr.starts_with("/ip4/127.0.0.1/tcp/") => Some(addr.clone()),
+        _ => None,
+    })?;
+    Ok((boot, addr))
+}
+
+/// Stops processes all at once: SIGTERM to every one (each drains and writes its state),
+/// then waits for each, SIGKILLing any still running after `grace`.
+pub fn stop_all<'a>(procs: impl IntoIterator<Item = &'a mut Proc>, grace: Duration) {
+    let mut procs: Vec<&mut Proc> = procs.into_iter().collect();
+    for p in procs.iter_mut() {
+        p.terminate();
+    }
+    for p in procs {
+        p.stop_within(grace);
+    }
+}
+
+/// Arguments of a `shoal peer` on loopback serving `stage` (`auto`, `none` or an index)
+/// with no trainers and short-lived announcements (so a killed peer is forgotten fast).
+pub fn peer_args(run: &str, boot: Option<&str>, stage: &str, key: &str) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "peer",
+        "--run",
+        run,
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--identity",
+        key,
+        "--stage",
+        stage,
+        "--trainers",
+        "0",
+        "--announce-ttl",
+        "6",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if let Some(b) = boot {
+        a.push("--bootstrap".into());
+        a.push(b.to_string());
+    }
+    a
+}

@@ -1,0 +1,245 @@
+//! The long-running commands: `shoal peer` (serve a stage) and `shoal train` through a
+//! swarm (trainer loops only). Both report [`Event`]s: shown as lines to people, and with
+//! `--events` also written as JSON lines for harnesses and monitors.
+
+use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
+use anyhow::{Context, Result};
+use shoal::stage::client::StageClient;
+use shoal::swarm::events::Event;
+use shoal::swarm::peer::{Peer, PeerConfig};
+use shoal::trainer::report::Progress;
+use shoal::trainer::TrainerStats;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Where a process's events go: people read their `Display` (stdout, or stderr when the
+/// JSON goes to stdout); `--events` also writes each as a JSON line.
+#[derive(Clone)]
+pub struct Out {
+    json: Option<Arc<Mutex<Box<dyn Write + Send>>>>,
+    human_to_stderr: bool,
+}
+
+impl Out {
+    /// From `--events`.
+    pub fn new(a: &EventsArgs) -> Result<Self> {
+        let (json, human_to_stderr): (Option<Box<dyn Write + Send>>, bool) = match &a.events {
+            None => (None, false),
+            Some(p) if p.as_os_str() == "-" => (Some(Box::new(std::io::stdout())), true),
+            Some(p) => {
+                let f = std::fs::File::create(p)
+                    .with_context(|| format!("cannot write the events to {}", p.display()))?;
+                (Some(Box::new(std::io::LineWriter::new(f))), false)
+            }
+        };
+        Ok(Self {
+            json: json.map(|w| Arc::new(Mutex::new(w))),
+            human_to_stderr,
+        })
+    }
+
+    /// Reports `e`.
+    pub fn emit(&self, e: Event) {
+        if let Some(w) = &self.json {
+            if let Ok(line) = serde_json::to_string(&e) {
+                let mut w = w.lock().unwrap_or_else(|p| p.into_inner());
+                // A reader that went away must not stop the peer.
+                let _ = writeln!(w, "{line}").and_then(|()| w.flush());
+            }
+        }
+        if matches!(&e, Event::Reasons { failed, swapped } if failed.is_empty() && swapped.is_empty())
+        {
+            return;
+        }
+        if self.human_to_stderr {
+            eprintln!("{e}");
+        } else {
+            println!("{e}");
+        }
+    }
+}
+
+/// The async runtime of the network commands.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Resolves on Ctrl-C or SIGTERM. Create it once and keep polling the same future: a new
+/// one per loop pass would miss a signal that arrives between passes.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The trainer loops of a peer, as their totals are read: their stats and their clients
+/// (whose byte counters they share, so they can be read after the peer stopped).
+struct Trainers {
+    stats: Vec<Arc<TrainerStats>>,
+    clients: Vec<StageClient>,
+}
+
+impl Trainers {
+    fn of(peer: &Peer) -> Self {
+        Self {
+            stats: peer
+                .trainers()
+                .iter()
+                .map(|t| Arc::clone(t.stats()))
+                .collect(),
+            clients: peer.trainers().iter().map(|t| t.client().clone()).collect(),
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (mut wire, mut raw) = (0, 0);
+        for c in &self.clients {
+            let c = c.counters();
+            wire += c.sent.load(Relaxed) + c.received.load(Relaxed);
+            raw += c.raw.load(Relaxed);
+        }
+        Progress::of(&self.stats, (wire, raw))
+    }
+
+    /// Failed samples and swapped calls by reason, over every loop.
+    fn reasons(&self) -> Event {
+        let mut failed = BTreeMap::new();
+        let mut swapped = BTreeMap::new();
+        for s in &self.stats {
+            if let Ok(f) = s.failures.lock() {
+                for (reason, n) in f.iter() {
+                    *failed.entry(reason.clone()).or_insert(0) += n;
+                }
+            }
+            if let Ok(r) = s.swap_reasons.lock() {
+                for (reason, n) in r.iter() {
+                    *swapped.entry(reason.clone()).or_insert(0) += n;
+                }
+            }
+        }
+        Event::Reasons { failed, swapped }
+    }
+}
+
+/// `shoal peer`.
+pub fn peer(a: PeerArgs) -> Result<ExitCode> {
+    let out = Out::new(&a.events)?;
+    let existed = a.identity.exists();
+    let cfg = PeerConfig::try_from(&a)?;
+    if !existed {
+        out.emit(Event::IdentityCreated {
+            path: a.identity.display().to_string(),
+        });
+    }
+    let counters_every = (a.counters_ms > 0).then(|| Duration::from_millis(a.counters_ms));
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let o = out.clone();
+        let peer = Peer::start(cfg, move |e| o.emit(e)).await?;
+        out.emit(Event::Ready {
+            peer: peer.net().local_peer_id().to_string(),
+        });
+        let trainers = Trainers::of(&peer);
+        let report_every = Duration::from_secs(5);
+        let tick = counters_every.map_or(report_every, |c| c.min(report_every));
+        let started = Instant::now();
+        let mut reported = Instant::now();
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(tick) => {}
+            }
+            if counters_every.is_some() {
+                if let Some(s) = peer.service() {
+                    out.emit(Event::Counters {
+                        stage: s.stage(),
+                        counters: s.counters().snapshot(),
+                    });
+                }
+            }
+            if !trainers.stats.is_empty() && reported.elapsed() >= report_every {
+                reported = Instant::now();
+                out.emit(Event::Progress {
+                    progress: trainers.progress(),
+                    seconds: started.elapsed().as_secs_f64(),
+                });
+            }
+        }
+        out.emit(Event::Stopping);
+        let service = peer.service();
+        peer.stop().await?;
+        if let Some(s) = service {
+            out.emit(Event::Counters {
+                stage: s.stage(),
+                counters: s.counters().snapshot(),
+            });
+        }
+        out.emit(Event::Stopped);
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `shoal train --run ... --bootstrap ...`.
+pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
+    let cfg = trainer_config(&a)?;
+    let out = Out::new(&a.events)?;
+    let report = Duration::from_millis(a.report_ms.max(50));
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let o = out.clone();
+        let peer = Peer::start(cfg, move |e| o.emit(e)).await?;
+        let trainers = Trainers::of(&peer);
+        let started = Instant::now();
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(report) => {}
+            }
+            out.emit(Event::Progress {
+                progress: trainers.progress(),
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            if peer.trainers().iter().all(|t| t.is_finished()) {
+                break;
+            }
+        }
+        // The counters are shared with the trainers: read after stopping, the final totals
+        // count the microbatches that finished (or failed) while stopping.
+        peer.stop().await?;
+        out.emit(Event::Done {
+            progress: trainers.progress(),
+        });
+        out.emit(trainers.reasons());
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,241 @@
+//! The averager's decisions, as pure functions of what a replica knows (its own status and
+//! the progress it heard from the others), the time and the config: whether it is behind
+//! and must download state, whether it leads a round now, and how the round's target batch
+//! is split over the members. No sockets, no clock reads: tests drive them with made-up
+//! views and instants.
+
+use super::AveragerConfig;
+use crate::stage::service::ReplicaStatus;
+use libp2p::PeerId;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What a replica last said about itself (its `Progress` message), and when it was heard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct View {
+    /// Applied optimizer steps.
+    pub params_step: u64,
+    /// The step its accumulated samples count toward.
+    pub accum_step: u64,
+    /// Samples accumulated.
+    pub count: u64,
+    /// Samples frozen for a round in progress.
+    pub frozen: u64,
+    /// Parameter hash.
+    pub hash: String,
+    /// When it was heard.
+    pub at: Instant,
+}
+
+impl View {
+    /// This replica's own status as a view heard at `at`.
+    pub fn of(st: &ReplicaStatus, at: Instant) -> Self {
+        Self {
+            params_step: st.params_step,
+            accum_step: st.accum_step,
+            count: st.accum_count,
+            frozen: st.frozen_count,
+            hash: st.params_hash.clone(),
+            at,
+        }
+    }
+
+    /// Samples it holds toward step `step`: accumulated for it, plus frozen.
+    pub fn pending_at(&self, step: u64) -> u64 {
+        (if self.accum_step == step {
+            self.count
+        } else {
+            0
+        }) + self.frozen
+    }
+
+    /// Whether it was heard within `timeout` of `now`.
+    pub fn is_live(&self, now: Instant, timeout: Duration) -> bool {
+        now.saturating_duration_since(self.at) < timeout
+    }
+}
+
+/// Everything a decision reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Input<'a> {
+    /// This replica.
+    pub me: PeerId,
+    /// Its own status.
+    pub mine: &'a View,
+    /// The other replicas as last heard.
+    pub views: &'a HashMap<PeerId, View>,
+    /// The other replicas known to exist (announced, or heard from).
+    pub known: &'a [PeerId],
+    /// When this averager started.
+    pub started: Instant,
+    /// Since when this replica has seen itself behind, if it does.
+    pub behind_since: Option<Instant>,
+    /// Since when, as leader, it has seen enough samples for a round, if it has.
+    pub ready_since: Option<Instant>,
+}
+
+/// What to do now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing.
+    Wait,
+    /// This replica is behind the stage: download the state from these donors.
+    Resync {
+        /// The replicas to download from.
+        donors: Vec<PeerId>,
+    },
+    /// Lead a round of step `step`.
+    Lead {
+        /// The step averaged.
+        step: u64,
+        /// The members, sorted (this replica among them).
+        members: Vec<PeerId>,
+        /// Samples each member contributes, in `members` order.
+        quotas: Vec<u64>,
+        /// Replicas gone silent at or before this step: forget them.
+        dead: Vec<PeerId>,
+        /// Samples the dead held, lost with them.
+        lost: u64,
+    },
+}
+
+/// The timers a decision carries forward (set on the first tick a condition holds, cleared
+/// when it stops holding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Timers {
+    /// See [`Input::behind_since`].
+    pub behind_since: Option<Instant>,
+    /// See [`Input::ready_since`].
+    pub ready_since: Option<Instant>,
+}
+
+/// The leader of the replicas at this replica's step: the smallest peer id among them.
+pub fn leader(me: PeerId, same: &[(PeerId, &View)]) -> PeerId {
+    same.iter()
+        .map(|(p, _)| *p)
+        .chain(std::iter::once(me))
+        .min()
+        .unwrap_or(me)
+}
+
+/// Splits a round's samples over members holding `pending` samples each: the target batch
+/// (everything, when twice the target is waiting, to catch up), smallest holder first, each
+/// taking at most an equal share of what is left, so no replica's samples wait behind
+/// another's. The quotas sum to `min(pending total, that amount)`.
+pub fn quotas(pending: &[u64], target: u64) -> Vec<u64> {
+    let target = target.max(1);
+    let total: u64 = pending.iter().sum();
+    let mut left = if total >= 2 * target { total } else { target };
+    let mut order: Vec<usize> = (0..pending.len()).collect();
+    order.sort_by_key(|&i| pending[i]);
+    let mut out = vec![0u64; pending.len()];
+    for (k, &i) in order.iter().enumerate() {
+        let share = left.div_ceil((pending.len() - k) as u64);
+        out[i] = pending[i].min(share);
+        left -= out[i];
+    }
+    out
+}
+
+/// Decides what the averager does on this tick (no round in progress).
+///
+/// - Behind (a live replica at a later step, or the leader's hash differs at this step)
+///   for two heartbeats: resync from the replicas at the highest step (or the leader).
+/// - The leader, once the live replicas at its step hold `target` samples: waits up to
+///   five heartbeats for replicas that are catching up (and, just after start, for every
+///   known replica to be heard from), then leads a round of the replicas at its step.
+pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decision, Timers) {
+    let mine = input.mine;
+    let s = mine.params_step;
+    let live: Vec<(PeerId, &View)> = input
+        .views
+        .iter()
+        .filter(|(_, v)| v.is_live(now, cfg.live_timeout))
+        .map(|(p, v)| (*p, v))
+        .collect();
+    let same: Vec<(PeerId, &View)> = live
+        .iter()
+        .filter(|(_, v)| v.params_step == s)
+        .copied()
+        .collect();
+    let lead = leader(input.me, &same);
+    let ahead = live.iter().any(|(_, v)| v.params_step > s);
+    let diverged = same
+        .iter()
+        .any(|(p, v)| *p == lead && *p < input.me && v.hash != mine.hash);
+    let mut timers = Timers {
+        behind_since: None,
+        ready_since: input.ready_since,
+    };
+    if ahead || diverged {
+        let since = input.behind_since.unwrap_or(now);
+        if now.saturating_duration_since(since) < cfg.heartbeat * 2 {
+            timers.behind_since = Some(since);
+            return (Decision::Wait, timers);
+        }
+        let donors = if ahead {
+            let top = live.iter().map(|(_, v)| v.params_step).max().unwrap_or(s);
+            let mut d: Vec<PeerId> = live
+                .iter()
+                .filter(|(_, v)| v.params_step == top)
+                .map(|(p, _)| *p)
+                .collect();
+            d.sort();
+            d
+        } else {
+            vec![lead]
+        };
+        return (Decision::Resync { donors }, timers);
+    }
+    if lead != input.me {
+        return (Decision::Wait, timers);
+    }
+    let total = mine.pending_at(s) + same.iter().map(|(_, v)| v.pending_at(s)).sum::<u64>();
+    if total < cfg.target.max(1) {
+        timers.ready_since = None;
+        return (Decision::Wait, timers);
+    }
+    let ready = input.ready_since.unwrap_or(now);
+    let lagging = live.iter().any(|(_, v)| v.params_step < s);
+    let unheard = input.known.iter().any(|p| !input.views.contains_key(p));
+    let starting = now.saturating_duration_since(input.started) < cfg.live_timeout;
+    if (lagging || (unheard && starting))
+        && now.saturating_duration_since(ready) < cfg.heartbeat * 5
+    {
+        timers.ready_since = Some(ready);
+        return (Decision::Wait, timers);
+    }
+    timers.ready_since = None;
+    // Samples held by replicas that died at this step are lost; count them once. (A
+    // replica that died holding gradients of an earlier step lost them too.)
+    let mut dead: Vec<PeerId> = input
+        .views
+        .iter()
+        .filter(|(_, v)| !v.is_live(now, cfg.live_timeout) && v.params_step <= s)
+        .map(|(p, _)| *p)
+        .collect();
+    dead.sort();
+    let lost = dead
+        .iter()
+        .filter_map(|p| input.views.get(p))
+        .map(|v| v.count + v.frozen)
+        .sum();
+    let mut members: Vec<(PeerId, u64)> = same.iter().map(|(p, v)| (*p, v.pending_at(s))).collect();
+    members.push((input.me, mine.pending_at(s)));
+    members.sort_by_key(|(p, _)| *p);
+    let pending: Vec<u64> = members.iter().map(|(_, n)| *n).collect();
+    (
+        Decision::Lead {
+            step: s,
+            members: members.into_iter().map(|(p, _)| p).collect(),
+            quotas: quotas(&pending, cfg.target),
+            dead,
+            lost,
+        },
+        timers,
+    )
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

@@ -1,0 +1,220 @@
+//! Unit tests of the averager's pure decisions.
+
+use super::*;
+use crate::wire::CodecSpec;
+
+fn cfg(target: u64) -> AveragerConfig {
+    AveragerConfig::new(target, CodecSpec::F32)
+}
+
+/// `n` peer ids in increasing order.
+fn peers(n: usize) -> Vec<PeerId> {
+    let mut p: Vec<PeerId> = (0..n).map(|_| PeerId::random()).collect();
+    p.sort();
+    p
+}
+
+fn view(step: u64, count: u64, hash: &str, at: Instant) -> View {
+    View {
+        params_step: step,
+        accum_step: step,
+        count,
+        frozen: 0,
+        hash: hash.into(),
+        at,
+    }
+}
+
+struct World {
+    t0: Instant,
+    me: PeerId,
+    mine: View,
+    views: HashMap<PeerId, View>,
+    known: Vec<PeerId>,
+    timers: Timers,
+}
+
+impl World {
+    fn new(me: PeerId, mine: View, t0: Instant) -> Self {
+        Self {
+            t0,
+            me,
+            mine,
+            views: HashMap::new(),
+            known: Vec::new(),
+            timers: Timers::default(),
+        }
+    }
+
+    fn hear(&mut self, p: PeerId, v: View) {
+        self.views.insert(p, v);
+        if !self.known.contains(&p) {
+            self.known.push(p);
+        }
+    }
+
+    /// Decides at `now`, carrying the timers forward as the averager does.
+    fn decide(&mut self, now: Instant, cfg: &AveragerConfig) -> Decision {
+        let input = Input {
+            me: self.me,
+            mine: &self.mine,
+            views: &self.views,
+            known: &self.known,
+            started: self.t0,
+            behind_since: self.timers.behind_since,
+            ready_since: self.timers.ready_since,
+        };
+        let (d, t) = decide(&input, now, cfg);
+        self.timers = t;
+        d
+    }
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[test]
+fn the_smallest_live_peer_at_the_step_leads() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(5_000);
+    let p = peers(4);
+    // p[0] is at another step and p[1] went silent: p[2] (this replica) leads over p[3].
+    let mut w = World::new(p[2], view(7, 20, "h", now), t0);
+    w.hear(p[0], view(6, 0, "old", now));
+    w.hear(p[1], view(7, 5, "h", now - c.live_timeout - ms(1)));
+    w.hear(p[3], view(7, 20, "h", now));
+    assert_eq!(leader(p[2], &[(p[3], &w.views[&p[3]])]), p[2]);
+    // p[0] is behind (lagging): the leader waits for it, within the grace.
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    match w.decide(now + c.heartbeat * 5, &c) {
+        Decision::Lead {
+            step,
+            members,
+            quotas,
+            dead,
+            lost,
+        } => {
+            assert_eq!(step, 7);
+            assert_eq!(members, vec![p[2], p[3]]);
+            assert_eq!(quotas.iter().sum::<u64>(), 32);
+            assert_eq!(dead, vec![p[1]]);
+            assert_eq!(lost, 5);
+        }
+        d => panic!("expected a round, got {d:?}"),
+    }
+    // The replica with the larger id never leads.
+    let mut follower = World::new(p[3], view(7, 20, "h", now), t0);
+    follower.hear(p[2], view(7, 20, "h", now));
+    assert_eq!(follower.decide(now, &c), Decision::Wait);
+}
+
+#[test]
+fn quotas_take_the_target_fairly_and_everything_when_far_behind() {
+    assert_eq!(quotas(&[10, 30], 32), vec![10, 22]);
+    assert_eq!(quotas(&[16, 16], 32), vec![16, 16]);
+    assert_eq!(quotas(&[40, 20], 32), vec![16, 16]);
+    // Twice the target waiting: take all of it.
+    assert_eq!(quotas(&[40, 30], 16), vec![40, 30]);
+    assert_eq!(quotas(&[], 8), Vec::<u64>::new());
+    let mut rng = crate::rng::Rng::new(7);
+    for _ in 0..2_000 {
+        let n = 1 + rng.below(6) as usize;
+        let target = 1 + rng.below(64);
+        let pending: Vec<u64> = (0..n).map(|_| rng.below(80)).collect();
+        let total: u64 = pending.iter().sum();
+        let q = quotas(&pending, target);
+        let want = if total >= 2 * target {
+            total
+        } else {
+            total.min(target)
+        };
+        assert_eq!(q.iter().sum::<u64>(), want, "{pending:?} target {target}");
+        assert!(q.iter().zip(&pending).all(|(a, b)| a <= b));
+    }
+}
+
+#[test]
+fn no_round_below_the_target() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(10_000);
+    let p = peers(2);
+    let mut w = World::new(p[0], view(3, 10, "h", now), t0);
+    w.hear(p[1], view(3, 21, "h", now));
+    w.timers.ready_since = Some(now - ms(50));
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    assert_eq!(w.timers.ready_since, None);
+    w.hear(p[1], view(3, 22, "h", now));
+    assert!(matches!(w.decide(now, &c), Decision::Lead { .. }));
+}
+
+#[test]
+fn a_hash_that_disagrees_with_the_leader_resyncs_from_it() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(10_000);
+    let p = peers(2);
+    let mut w = World::new(p[1], view(5, 0, "mine", now), t0);
+    w.hear(p[0], view(5, 0, "theirs", now));
+    // Behind for less than two heartbeats: wait.
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    assert_eq!(w.timers.behind_since, Some(now));
+    let later = now + c.heartbeat * 2;
+    if let Some(v) = w.views.get_mut(&p[0]) {
+        v.at = later;
+    }
+    assert_eq!(w.decide(later, &c), Decision::Resync { donors: vec![p[0]] });
+    assert_eq!(w.timers.behind_since, None);
+    // The leader itself never resyncs from a follower that disagrees.
+    let mut leader = World::new(p[0], view(5, 40, "theirs", now), t0);
+    leader.hear(p[1], view(5, 0, "mine", now));
+    assert!(matches!(leader.decide(now, &c), Decision::Lead { .. }));
+}
+
+#[test]
+fn a_replica_behind_downloads_from_the_most_advanced() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(10_000);
+    let p = peers(4);
+    let mut w = World::new(p[0], view(2, 50, "a", now), t0);
+    w.hear(p[1], view(4, 0, "b", now));
+    w.hear(p[2], view(3, 0, "c", now));
+    w.hear(p[3], view(4, 0, "b", now));
+    w.timers.behind_since = Some(now - c.heartbeat * 2);
+    assert_eq!(
+        w.decide(now, &c),
+        Decision::Resync {
+            donors: vec![p[1], p[3]]
+        }
+    );
+    // A dead peer at a later step does not count.
+    let mut w = World::new(p[0], view(2, 50, "a", now), t0);
+    w.hear(p[1], view(9, 0, "b", now - c.live_timeout));
+    assert!(matches!(w.decide(now, &c), Decision::Lead { .. }));
+}
+
+#[test]
+fn at_start_the_leader_waits_to_hear_every_known_replica() {
+    let c = cfg(8);
+    let t0 = Instant::now();
+    let p = peers(2);
+    let mut w = World::new(p[0], view(0, 8, "h", t0), t0);
+    w.known.push(p[1]);
+    assert_eq!(w.decide(t0 + ms(10), &c), Decision::Wait);
+    // Within the grace it keeps waiting; after it, it goes ahead alone.
+    assert_eq!(w.decide(t0 + c.heartbeat * 4, &c), Decision::Wait);
+    match w.decide(t0 + ms(10) + c.heartbeat * 5, &c) {
+        Decision::Lead { members, .. } => assert_eq!(members, vec![p[0]]),
+        d => panic!("expected a round, got {d:?}"),
+    }
+    // Past the start-up window nobody unheard is waited for.
+    let mut w = World::new(p[0], view(0, 8, "h", t0), t0);
+    w.known.push(p[1]);
+    assert!(matches!(
+        w.decide(t0 + c.live_timeout, &c),
+        Decision::Lead { .. }
+    ));
+}

@@ -1,0 +1,75 @@
+//! Unit tests of the run config: parsing, validation, defaults.
+
+use super::*;
+
+#[test]
+fn tiny_parses_and_even_split_covers_all_layers() {
+    let mut cfg = RunConfig::tiny();
+    for s in 1..=cfg.model.n_layers {
+        cfg.stages.count = s;
+        let r = cfg.stage_ranges();
+        assert_eq!(r.len(), s);
+        assert_eq!(r[0].0, 0);
+        assert_eq!(r[s - 1].1, cfg.model.n_layers);
+        assert!(r.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
+    }
+}
+
+#[test]
+fn bad_values_are_one_line_errors() {
+    let base = include_str!("../configs/tiny.toml");
+    for (find, replace) in [
+        ("n_heads = 4", "n_heads = 3"),
+        ("count = 2", "count = 9"),
+        ("activations = \"int8\"", "activations = \"int4\""),
+    ] {
+        assert!(base.contains(find), "tiny.toml lacks {find}");
+        let text = base.replace(find, replace);
+        let err = RunConfig::from_toml(&text, "x.toml").expect_err(replace);
+        assert!(!err.to_string().contains('\n'), "{err}");
+    }
+    let err = RunConfig::from_toml("[model]\nvocab = 3\nbogus = 1", "x.toml").unwrap_err();
+    assert!(err.to_string().contains("bogus"), "{err}");
+}
+
+#[test]
+fn explicit_cuts_are_used() {
+    let mut cfg = RunConfig::tiny();
+    cfg.stages.count = 2;
+    cfg.stages.cuts = vec![1];
+    cfg.validate().expect("cuts [1] are valid");
+    assert_eq!(cfg.stage_ranges(), vec![(0, 1), (1, cfg.model.n_layers)]);
+    cfg.stages.cuts = vec![0];
+    assert!(cfg.validate().is_err());
+}
+
+#[test]
+fn the_built_in_tiny_config_is_the_shipped_file() {
+    let parsed =
+        RunConfig::from_toml(include_str!("../configs/tiny.toml"), "configs/tiny.toml").unwrap();
+    assert_eq!(RunConfig::tiny(), parsed);
+    assert_eq!(OptimizerConfig::default(), toml::from_str("").unwrap());
+    assert_eq!(TrainingConfig::default(), toml::from_str("").unwrap());
+}
+
+#[test]
+fn averaging_knobs_are_optional_and_checked() {
+    let base = include_str!("../configs/tiny.toml");
+    let plain = RunConfig::from_toml(base, "x.toml").unwrap();
+    assert_eq!(plain.averaging, AveragingConfig::default());
+    // Absent knobs leave the canonical text (and so the run id) as it was.
+    assert!(!toml::to_string(&plain).unwrap().contains("averaging"));
+    let set = format!("{base}\n[averaging]\nround_timeout_s = 60.0\nheartbeat_ms = 500\n");
+    let cfg = RunConfig::from_toml(&set, "x.toml").unwrap();
+    assert_eq!(cfg.averaging.round_timeout_s, Some(60.0));
+    assert_eq!(cfg.averaging.heartbeat_ms, Some(500));
+    for bad in [
+        "round_timeout_s = 0.0",
+        "round_timeout_s = -1.0",
+        "heartbeat_ms = 1",
+    ] {
+        let text = format!("{base}\n[averaging]\n{bad}\n");
+        let err = RunConfig::from_toml(&text, "x.toml").unwrap_err();
+        assert!(err.to_string().contains("averaging."), "{bad}: {err}");
+    }
+}

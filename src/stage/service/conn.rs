@@ -1,0 +1,254 @@
+//! One inbound stream of the stage protocol: read each request under a timeout with every
+//! length checked before allocating, check it (run, stage, step, tensor count), hand it to
+//! the compute queue or the registered [`Extension`](super::Extension), write the answer.
+
+use super::{lock, worker, Refusal, Reply, Shared, MAX_STALENESS};
+use crate::net::io::{self as netio, IoError};
+use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
+use crate::wire::Limits;
+use futures::{AsyncReadExt, AsyncWriteExt};
+use libp2p::PeerId;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+async fn read_request(
+    stream: &mut libp2p::Stream,
+    limits: &Limits,
+    len: [u8; 4],
+) -> Result<(Request, Vec<Vec<u8>>), IoError> {
+    let head = netio::read_header_after(stream, len).await?;
+    let req = msg::decode_request(&head)?;
+    let mut frames = Vec::with_capacity(req.tensors as usize);
+    for _ in 0..req.tensors {
+        frames.push(netio::read_frame(stream, limits).await?);
+    }
+    Ok((req, frames))
+}
+
+/// How long a caller may take to read its answer before the stream is dropped.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a kept stream may wait for its caller's next request.
+const IDLE_STREAM: Duration = Duration::from_secs(30);
+
+/// Writes `reply`. A success leaves the stream open for the caller's next request (its
+/// client keeps streams for reuse: no new stream, so no protocol negotiation, per call);
+/// anything else closes it. Returns whether the stream may carry another request.
+async fn respond(stream: &mut libp2p::Stream, reply: &Reply) -> bool {
+    let frames: Vec<&[u8]> = reply.frames.iter().map(|f| f.as_slice()).collect();
+    let keep = reply.header.error.is_none();
+    let write = async {
+        netio::write_message(&mut *stream, &reply.header, &frames).await?;
+        if keep {
+            stream.flush().await.map_err(IoError::from)
+        } else {
+            stream.close().await.map_err(IoError::from)
+        }
+    };
+    matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(()))) && keep
+}
+
+pub(super) fn refusal(shared: &Shared, kind: ErrorKind, message: impl Into<String>) -> Reply {
+    shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+    Reply {
+        header: Response::err(
+            kind,
+            message,
+            shared.step(),
+            shared.queue.load(Ordering::Relaxed),
+        ),
+        frames: Vec::new(),
+    }
+}
+
+pub(super) fn ok(shared: &Shared, tensors: u8) -> Response {
+    Response::ok(shared.step(), shared.queue.load(Ordering::Relaxed), tensors)
+}
+
+/// Serves the requests of one stream, one after another, until the caller closes it,
+/// goes quiet for [`IDLE_STREAM`], or a request is refused.
+pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
+    loop {
+        let mut len = [0u8; 4];
+        match tokio::time::timeout(IDLE_STREAM, stream.read_exact(&mut len)).await {
+            Ok(Ok(())) => {}
+            _ => return,
+        }
+        if !serve_one(&shared, peer, &mut stream, len).await {
+            return;
+        }
+    }
+}
+
+/// Serves one request whose length prefix `len` was read; whether the stream may carry
+/// another.
+async fn serve_one(
+    shared: &Arc<Shared>,
+    peer: PeerId,
+    stream: &mut libp2p::Stream,
+    len: [u8; 4],
+) -> bool {
+    // With more requests arriving than may be read at once, the rest wait their turn (their
+    // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
+    // being refused: a refused request would be sent again in full elsewhere, over links
+    // that are the bottleneck when requests pile up like this.
+    let permit = tokio::time::timeout(
+        shared.cfg.read_timeout,
+        Arc::clone(&shared.readers).acquire_owned(),
+    )
+    .await;
+    let Ok(Ok(permit)) = permit else {
+        let r = refusal(shared, ErrorKind::Overloaded, "too many open calls");
+        respond(stream, &r).await;
+        return false;
+    };
+    let t_read = Instant::now();
+    let read = tokio::time::timeout(
+        shared.cfg.read_timeout,
+        read_request(stream, &shared.cfg.limits, len),
+    )
+    .await;
+    let read_us = t_read.elapsed().as_micros() as u64;
+    // The permit bounds requests being read; once read, a call waits in the queue, whose
+    // own cap bounds it.
+    drop(permit);
+    let (req, frames) = match read {
+        Err(_) => {
+            shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        Ok(Err(IoError::Io(_))) => {
+            // Truncated or reset: there is nobody sensible to answer.
+            shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            let _ = stream.close().await;
+            return false;
+        }
+        Ok(Err(e)) => {
+            let kind = match e {
+                IoError::FrameTooLarge { .. } => ErrorKind::TooLarge,
+                _ => ErrorKind::BadRequest,
+            };
+            let r = refusal(shared, kind, e.to_string());
+            respond(stream, &r).await;
+            return false;
+        }
+        Ok(Ok(x)) => x,
+    };
+    if let Some(r) = check(shared, &req) {
+        respond(stream, &r).await;
+        return false;
+    }
+    let op = req.op;
+    let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
+    let draining = shared.draining.load(Ordering::Relaxed);
+    if draining && matches!(req.op, Op::Info | Op::Forward | Op::Backward) {
+        let r = refusal(
+            shared,
+            ErrorKind::Overloaded,
+            "this replica is leaving its stage; use another",
+        );
+        respond(stream, &r).await;
+        return false;
+    }
+    let reply = match req.op {
+        Op::Info => {
+            let mut header = ok(shared, 0);
+            header.info = lock(&shared.info).clone();
+            shared.counters.served.fetch_add(1, Ordering::Relaxed);
+            Reply {
+                header,
+                frames: Vec::new(),
+            }
+        }
+        Op::Avg | Op::StateInfo | Op::StateChunk => extension(shared, peer, req, frames).await,
+        Op::Forward | Op::Backward => worker::queue_job(shared, req, frames).await,
+    };
+    let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
+    let c = &shared.counters;
+    match op {
+        Op::Forward | Op::Backward => {
+            c.read_us.fetch_add(read_us, Ordering::Relaxed);
+            c.stage_in.fetch_add(in_bytes, Ordering::Relaxed);
+            c.stage_out.fetch_add(out_bytes, Ordering::Relaxed);
+        }
+        Op::Avg => {
+            c.avg_in.fetch_add(in_bytes, Ordering::Relaxed);
+        }
+        Op::StateChunk => {
+            c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
+        }
+        Op::Info | Op::StateInfo => {}
+    }
+    let t_write = Instant::now();
+    let more = respond(stream, &reply).await;
+    c.write_us
+        .fetch_add(t_write.elapsed().as_micros() as u64, Ordering::Relaxed);
+    more
+}
+
+fn check(shared: &Shared, req: &Request) -> Option<Reply> {
+    if req.run != shared.run {
+        return Some(refusal(
+            shared,
+            ErrorKind::UnknownRun,
+            format!("this replica serves run {}, not {}", shared.run, req.run),
+        ));
+    }
+    if req.stage != shared.stage {
+        return Some(refusal(
+            shared,
+            ErrorKind::WrongStage,
+            format!(
+                "this replica serves stage {}, not {}",
+                shared.stage, req.stage
+            ),
+        ));
+    }
+    let step = shared.step();
+    if matches!(req.op, Op::Forward | Op::Backward) && req.step.saturating_add(MAX_STALENESS) < step
+    {
+        return Some(refusal(
+            shared,
+            ErrorKind::StaleStep,
+            format!("caller is at step {}, this replica at {step}", req.step),
+        ));
+    }
+    let want = match req.op {
+        Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(req.op == Op::Forward)),
+        Op::Backward => 2,
+        Op::Info | Op::StateInfo | Op::StateChunk => 0,
+    };
+    if req.tensors != want {
+        return Some(refusal(
+            shared,
+            ErrorKind::BadRequest,
+            format!("{:?} takes {want} tensors, got {}", req.op, req.tensors),
+        ));
+    }
+    None
+}
+
+/// Hands a call to the registered extension (the averaging layer).
+async fn extension(shared: &Shared, peer: PeerId, req: Request, frames: Vec<Vec<u8>>) -> Reply {
+    let ext = lock(&shared.extension).clone();
+    let Some(ext) = ext else {
+        return refusal(
+            shared,
+            ErrorKind::Overloaded,
+            "this replica is not averaging yet",
+        );
+    };
+    match ext.call(peer, req, frames).await {
+        Ok(answer) => {
+            shared.counters.served.fetch_add(1, Ordering::Relaxed);
+            let mut header = ok(shared, answer.frames.len() as u8);
+            header.state = answer.state;
+            Reply {
+                header,
+                frames: answer.frames,
+            }
+        }
+        Err(Refusal { kind, message }) => refusal(shared, kind, message),
+    }
+}

@@ -1,0 +1,339 @@
+//! The stage protocol server: one stream per call, a bounded queue, one compute thread.
+//!
+//! An inbound stream is read under a timeout and with every length checked before anything
+//! is allocated (`net::io`). The request is checked (run, stage, step, tensor count) and
+//! queued without waiting: when the queue is full the caller is told `overloaded` at once,
+//! so a replica never buffers without bound. A single OS thread owns the candle stage and
+//! works through the queue; a bad tensor, NaN input or failing op becomes a typed error
+//! response, and the replica goes on with the next request.
+//!
+//! - [`counters`]: what the replica counts, and its cached training status.
+//! - `conn`: one inbound stream: read, check, dispatch, answer.
+//! - `worker`: the job queue and the compute thread.
+//! - this module: the service handle and what it shares with those.
+//!
+//! Averaging messages and state download are not answered here: the averaging layer
+//! registers an [`Extension`] that answers them (`crate::averaging::server`).
+
+mod conn;
+pub mod counters;
+mod worker;
+
+pub use counters::{CounterSnapshot, Counters, ReplicaStatus};
+pub use worker::measure_throughput;
+
+use super::replica::{Accum, Frozen, Replica};
+use super::STAGE_PROTOCOL;
+use crate::dht::Manifest;
+use crate::model::ModelError;
+use crate::net::{NetError, NetHandle};
+use crate::wire::msg::{ErrorKind, Request, Response, StateInfo};
+use crate::wire::Limits;
+use futures::future::BoxFuture;
+use futures::StreamExt;
+use libp2p::PeerId;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+/// How far behind the replica's step a caller may be.
+pub const MAX_STALENESS: u64 = 1;
+
+/// Knobs of a stage service.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// Requests that may wait or run at once; more are answered `overloaded`.
+    pub queue_cap: usize,
+    /// Streams that may be reading their request at once; more wait (up to
+    /// `read_timeout`) for their turn.
+    pub max_readers: usize,
+    /// Bounds on every tensor frame.
+    pub limits: Limits,
+    /// How long a caller may take to send its request.
+    pub read_timeout: Duration,
+}
+
+impl ServiceConfig {
+    /// Requests a replica queues by default before it answers `overloaded` (`--queue`).
+    pub const QUEUE_CAP: usize = 8;
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        Self {
+            queue_cap: Self::QUEUE_CAP,
+            max_readers: 32,
+            limits: Limits::default(),
+            read_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A successful answer of an [`Extension`]: what goes into the response besides the
+/// service's own fields (step, queue).
+#[derive(Debug, Default)]
+pub struct Answer {
+    /// A state download's description.
+    pub state: Option<StateInfo>,
+    /// Tensor frames.
+    pub frames: Vec<Vec<u8>>,
+}
+
+/// Why an [`Extension`] refused a call: the kind and message the caller gets.
+#[derive(Debug)]
+pub struct Refusal {
+    /// Error kind.
+    pub kind: ErrorKind,
+    /// A human-readable reason.
+    pub message: String,
+}
+
+impl Refusal {
+    /// A refusal of `kind`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Answers the calls of the stage protocol that belong to a layer above the stage
+/// (averaging messages, state download). The request was read and checked (run, stage,
+/// tensor count) before it gets here.
+pub trait Extension: Send + Sync {
+    /// Answers `req` from `peer`.
+    fn call(
+        &self,
+        peer: PeerId,
+        req: Request,
+        frames: Vec<Vec<u8>>,
+    ) -> BoxFuture<'_, Result<Answer, Refusal>>;
+}
+
+struct Shared {
+    run: String,
+    stage: u32,
+    queue: AtomicU32,
+    cfg: ServiceConfig,
+    /// Taken when the service is dropped, so the compute thread sees the queue close.
+    jobs: Mutex<Option<mpsc::Sender<worker::Job>>>,
+    readers: Arc<Semaphore>,
+    info: Mutex<Option<String>>,
+    counters: Counters,
+    replica: Arc<tokio::sync::Mutex<Replica>>,
+    status: Mutex<ReplicaStatus>,
+    numel: usize,
+    accum: Arc<Mutex<Accum>>,
+    progress: Arc<Notify>,
+    extension: Mutex<Option<Arc<dyn Extension>>>,
+    /// Set when the replica is leaving: no new forward passes, no `info` answers.
+    draining: AtomicBool,
+}
+
+impl Shared {
+    fn step(&self) -> u64 {
+        self.status.lock().map(|s| s.params_step).unwrap_or(0)
+    }
+}
+
+/// An answer as it is written back.
+struct Reply {
+    header: Response,
+    frames: Vec<Vec<u8>>,
+}
+
+/// A running stage service. Dropping it stops accepting streams.
+pub struct StageService {
+    shared: Arc<Shared>,
+    accept: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for StageService {
+    fn drop(&mut self) {
+        if let Some(a) = lock(&self.accept).take() {
+            a.abort();
+        }
+        // Without the sender the compute thread finishes the queued jobs and exits.
+        lock(&self.shared.jobs).take();
+    }
+}
+
+impl std::fmt::Debug for StageService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageService")
+            .field("run", &self.shared.run)
+            .field("stage", &self.shared.stage)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the data half-updated in a way
+    // that matters more than stopping would; keep serving.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl StageService {
+    /// Starts serving `replica` (a stage of `manifest`) on `net`.
+    pub fn start(
+        net: &NetHandle,
+        manifest: &Manifest,
+        replica: Arc<tokio::sync::Mutex<Replica>>,
+        cfg: ServiceConfig,
+    ) -> Result<Self, NetError> {
+        let (stage, status, numel, accum) = {
+            let r = replica
+                .try_lock()
+                .map_err(|_| NetError::Invalid("the replica is in use".into()))?;
+            (
+                r.stage().index() as u32,
+                ReplicaStatus::of(&r),
+                r.stage().params().numel(),
+                r.accumulator(),
+            )
+        };
+        let (tx, rx) = mpsc::channel(cfg.queue_cap.max(1));
+        let shared = Arc::new(Shared {
+            run: manifest.id.clone(),
+            stage,
+            queue: AtomicU32::new(0),
+            readers: Arc::new(Semaphore::new(cfg.max_readers.max(1))),
+            cfg,
+            jobs: Mutex::new(Some(tx)),
+            info: Mutex::new(None),
+            counters: Counters::default(),
+            replica,
+            status: Mutex::new(status),
+            numel,
+            accum,
+            progress: Arc::new(Notify::new()),
+            extension: Mutex::new(None),
+            draining: AtomicBool::new(false),
+        });
+        let codec = manifest.config.codecs.activations;
+        let worker_shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name(format!("shoal-stage-{stage}"))
+            .spawn(move || worker::Worker::new(codec, worker_shared).run(rx))
+            .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
+        let mut incoming = net.accept(STAGE_PROTOCOL)?;
+        let accept_shared = Arc::clone(&shared);
+        let accept = tokio::spawn(async move {
+            while let Some((peer, stream)) = incoming.next().await {
+                tokio::spawn(conn::handle(Arc::clone(&accept_shared), peer, stream));
+            }
+        });
+        Ok(Self {
+            shared,
+            accept: Mutex::new(Some(accept)),
+        })
+    }
+
+    /// Starts leaving: forward and backward passes and `info` calls are refused from now
+    /// on (trainers swap in another replica, which recomputes the forward from the input
+    /// they kept), while queued jobs finish and averaging and state downloads are still
+    /// served, so what this replica accumulated can still be averaged.
+    pub fn drain(&self) {
+        self.shared.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`drain`](Self::drain) was called.
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Relaxed)
+    }
+
+    /// Stops serving: no more streams are accepted (the protocol can be accepted again at
+    /// once, e.g. by the service of another stage) and the compute thread exits after the
+    /// jobs already queued.
+    pub async fn close(&self) {
+        self.drain();
+        lock(&self.shared.jobs).take();
+        let accept = lock(&self.accept).take();
+        if let Some(a) = accept {
+            a.abort();
+            let _ = a.await;
+        }
+    }
+
+    /// The stage served.
+    pub fn stage(&self) -> usize {
+        self.shared.stage as usize
+    }
+
+    /// Requests waiting or running now.
+    pub fn queue_len(&self) -> u32 {
+        self.shared.queue.load(Ordering::Relaxed)
+    }
+
+    /// Queue capacity.
+    pub fn queue_cap(&self) -> u32 {
+        self.shared.cfg.queue_cap as u32
+    }
+
+    /// The replica's optimizer step.
+    pub fn step(&self) -> u64 {
+        self.shared.step()
+    }
+
+    /// The cached training status.
+    pub fn status(&self) -> ReplicaStatus {
+        lock(&self.shared.status).clone()
+    }
+
+    /// Freezes step `step`'s gradients (up to `quota` samples) without waiting for compute.
+    pub fn freeze(&self, step: u64, quota: u64) -> Result<Frozen, ModelError> {
+        let f = lock(&self.shared.accum).freeze(step, quota, self.shared.numel)?;
+        let (accum_step, count, frozen) = lock(&self.shared.accum).counts();
+        let mut st = lock(&self.shared.status);
+        st.accum_step = accum_step;
+        st.accum_count = count;
+        st.frozen_count = frozen;
+        Ok(f)
+    }
+
+    /// Parameters of the stage.
+    pub fn numel(&self) -> usize {
+        self.shared.numel
+    }
+
+    /// Re-reads the training status from the replica (waits its turn behind compute).
+    pub async fn refresh_status(&self) -> ReplicaStatus {
+        let st = ReplicaStatus::of(&*self.shared.replica.lock().await);
+        *lock(&self.shared.status) = st.clone();
+        self.shared.progress.notify_one();
+        st
+    }
+
+    /// Hex hash of the parameters.
+    pub fn params_hash(&self) -> String {
+        self.status().params_hash
+    }
+
+    /// The replica's state. The lock is fair (first come, first served), so the averager
+    /// gets its turn between two backward passes even under load.
+    pub fn replica(&self) -> Arc<tokio::sync::Mutex<Replica>> {
+        Arc::clone(&self.shared.replica)
+    }
+
+    /// Woken after every backward and state change.
+    pub fn progress(&self) -> Arc<Notify> {
+        Arc::clone(&self.shared.progress)
+    }
+
+    /// Answers averaging and state-download calls with `ext` from now on.
+    pub fn attach(&self, ext: Arc<dyn Extension>) {
+        *lock(&self.shared.extension) = Some(ext);
+    }
+
+    /// Sets the announcement returned to `info` calls.
+    pub fn set_info(&self, json: String) {
+        *lock(&self.shared.info) = Some(json);
+    }
+
+    /// The replica's counters.
+    pub fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+}

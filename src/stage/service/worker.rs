@@ -1,0 +1,227 @@
+//! The compute side of a stage service: a bounded job queue and the one OS thread that owns
+//! the candle stage and works through it; and the start-up throughput measurement.
+
+use super::conn::{ok, refusal};
+use super::{lock, ReplicaStatus, Reply, Shared};
+use crate::model::{ModelError, Stage, Upstream};
+use crate::stage::replica::Replica;
+use crate::stage::tensor;
+use crate::wire::msg::{ErrorKind, Op, Request};
+use crate::wire::CodecSpec;
+use candle_core::{DType, Tensor};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// A forward or backward call waiting for the compute thread.
+pub(super) struct Job {
+    req: Request,
+    frames: Vec<Vec<u8>>,
+    reply: oneshot::Sender<Reply>,
+    queued_at: Instant,
+}
+
+pub(super) async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {
+    let (tx, rx) = oneshot::channel();
+    let Some(jobs) = lock(&shared.jobs).clone() else {
+        return refusal(shared, ErrorKind::Overloaded, "this replica is stopping");
+    };
+    shared.queue.fetch_add(1, Ordering::Relaxed);
+    if jobs
+        .try_send(Job {
+            req,
+            frames,
+            reply: tx,
+            queued_at: Instant::now(),
+        })
+        .is_err()
+    {
+        shared.queue.fetch_sub(1, Ordering::Relaxed);
+        return refusal(shared, ErrorKind::Overloaded, "request queue is full");
+    }
+    match rx.await {
+        Ok(reply) => reply,
+        Err(_) => refusal(shared, ErrorKind::Internal, "the compute thread stopped"),
+    }
+}
+
+/// The compute thread's state.
+pub(super) struct Worker {
+    codec: CodecSpec,
+    shared: Arc<Shared>,
+}
+
+enum Fail {
+    Refuse(ErrorKind, String),
+}
+
+impl From<ModelError> for Fail {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::BadInput(m) => Fail::Refuse(ErrorKind::BadTensor, m),
+            other => Fail::Refuse(ErrorKind::Internal, other.to_string()),
+        }
+    }
+}
+
+impl From<candle_core::Error> for Fail {
+    fn from(e: candle_core::Error) -> Self {
+        Fail::Refuse(ErrorKind::Internal, e.to_string())
+    }
+}
+
+impl Worker {
+    pub(super) fn new(codec: CodecSpec, shared: Arc<Shared>) -> Self {
+        Self { codec, shared }
+    }
+
+    pub(super) fn run(self, mut rx: mpsc::Receiver<Job>) {
+        let c = &self.shared.counters;
+        let codec_us = || c.decode_us.load(Ordering::Relaxed) + c.encode_us.load(Ordering::Relaxed);
+        while let Some(job) = rx.blocking_recv() {
+            let t0 = Instant::now();
+            c.queue_us.fetch_add(
+                t0.saturating_duration_since(job.queued_at).as_micros() as u64,
+                Ordering::Relaxed,
+            );
+            c.jobs.fetch_add(1, Ordering::Relaxed);
+            let before = codec_us();
+            let result = self.process(&job.req, &job.frames);
+            let us = (t0.elapsed().as_micros() as u64).saturating_sub(codec_us() - before);
+            c.compute_us.fetch_add(us, Ordering::Relaxed);
+            self.shared.queue.fetch_sub(1, Ordering::Relaxed);
+            let reply = match result {
+                Ok(r) => {
+                    self.shared.counters.served.fetch_add(1, Ordering::Relaxed);
+                    r
+                }
+                Err(Fail::Refuse(kind, m)) => refusal(&self.shared, kind, m),
+            };
+            let _ = job.reply.send(reply);
+        }
+    }
+
+    fn input(&self, r: &Replica, bytes: &[u8], what: &str) -> Result<Tensor, Fail> {
+        let stage = r.stage();
+        let t0 = Instant::now();
+        let d = tensor::decode(bytes, &self.shared.cfg.limits, stage.device());
+        self.shared
+            .counters
+            .decode_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let d = d.map_err(|e| Fail::Refuse(ErrorKind::BadTensor, format!("{what}: {e}")))?;
+        if !d.finite {
+            return Err(Fail::Refuse(
+                ErrorKind::NonFinite,
+                format!("{what} holds NaN or infinite values"),
+            ));
+        }
+        let t = d.tensor;
+        if t.dtype() == DType::F32 && stage.dtype() != DType::F32 {
+            Ok(t.to_dtype(stage.dtype())?)
+        } else {
+            Ok(t)
+        }
+    }
+
+    fn encode(&self, t: &Tensor) -> Result<Vec<u8>, Fail> {
+        let t0 = Instant::now();
+        let r = tensor::encode(t, &self.codec);
+        self.shared
+            .counters
+            .encode_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        r.map_err(|e| Fail::Refuse(ErrorKind::Internal, e.to_string()))
+    }
+
+    fn process(&self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {
+        let mut r = self.shared.replica.blocking_lock();
+        let input = self.input(&r, &frames[0], "input")?;
+        match req.op {
+            Op::Forward => {
+                let out = r.forward(&input, req.mb)?;
+                drop(r);
+                let frame = self.encode(&out)?;
+                Ok(Reply {
+                    header: ok(&self.shared, 1),
+                    frames: vec![frame],
+                })
+            }
+            Op::Backward => {
+                let up = self.input(&r, &frames[1], "upstream")?;
+                let upstream = if r.stage().is_last() {
+                    Upstream::Targets(&up)
+                } else {
+                    Upstream::Grad(&up)
+                };
+                let (g, fresh) = r.backward(&input, upstream, req.mb)?;
+                let status = ReplicaStatus::of(&r);
+                drop(r);
+                if fresh {
+                    let samples = input.dims().first().copied().unwrap_or(0) as u64;
+                    self.shared
+                        .counters
+                        .samples_accumulated
+                        .fetch_add(samples, Ordering::Relaxed);
+                }
+                *lock(&self.shared.status) = status;
+                self.shared.progress.notify_one();
+                let frames = match &g.grad_input {
+                    Some(t) => vec![self.encode(t)?],
+                    None => Vec::new(),
+                };
+                let mut header = ok(&self.shared, frames.len() as u8);
+                header.loss = g.loss;
+                Ok(Reply { header, frames })
+            }
+            _ => Err(Fail::Refuse(
+                ErrorKind::BadRequest,
+                "only forward and backward are queued".into(),
+            )),
+        }
+    }
+}
+
+/// Samples per second of forward + backward of `stage` on microbatches of `batch`,
+/// measured over at least `min_iters` runs or `budget`, after one warm-up.
+pub fn measure_throughput(
+    stage: &Stage,
+    batch: usize,
+    seq_len: usize,
+    d_model: usize,
+    min_iters: usize,
+    budget: Duration,
+) -> Result<f64, ModelError> {
+    let dev = stage.device();
+    let input = if stage.is_first() {
+        Tensor::zeros((batch, seq_len), DType::U32, dev)?
+    } else {
+        Tensor::randn(0f32, 1.0, (batch, seq_len, d_model), dev)?.to_dtype(stage.dtype())?
+    };
+    let up = if stage.is_last() {
+        Tensor::zeros((batch, seq_len), DType::U32, dev)?
+    } else {
+        (Tensor::randn(0f32, 1.0, (batch, seq_len, d_model), dev)? * 1e-3)?
+            .to_dtype(stage.dtype())?
+    };
+    let once = || -> Result<(), ModelError> {
+        stage.forward(&input)?;
+        let upstream = if stage.is_last() {
+            Upstream::Targets(&up)
+        } else {
+            Upstream::Grad(&up)
+        };
+        stage.backward(&input, upstream)?;
+        Ok(())
+    };
+    once()?;
+    let t0 = Instant::now();
+    let mut n = 0usize;
+    while n < min_iters.max(1) || (t0.elapsed() < budget && n < 1000) {
+        once()?;
+        n += 1;
+    }
+    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    Ok((n * batch) as f64 / secs)
+}

@@ -1,0 +1,380 @@
+//! A peer's stage while it serves it: build (and sync) the stage, serve and announce it,
+//! leave it gracefully, and the rebalancer that moves the peer to the weakest stage.
+
+use super::events::{Event, Observer};
+use super::peer::{PeerConfig, PeerError};
+use crate::averaging::sync::{self, SyncReport};
+use crate::averaging::{Averager, AveragerConfig};
+use crate::dht::{self, Announcement, Manifest};
+use crate::model::Stage;
+use crate::net::{NetError, NetHandle};
+use crate::rng::Rng;
+use crate::stage::client::StageClient;
+use crate::stage::registry;
+use crate::stage::replica::Replica;
+use crate::stage::select;
+use crate::stage::service::{measure_throughput, ReplicaStatus, StageService};
+use crate::stage::sim::SimCompute;
+use libp2p::{Multiaddr, PeerId};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a peer has while it serves a stage.
+pub(super) struct Serving {
+    pub(super) service: Arc<StageService>,
+    pub(super) averager: Averager,
+    pub(super) refresher: tokio::task::JoinHandle<()>,
+    pub(super) samples_per_s: f64,
+    pub(super) synced: Option<SyncReport>,
+}
+
+/// The stage being served, shared with the rebalancer (empty while migrating).
+pub(super) type Slot = Arc<Mutex<Option<Serving>>>;
+
+pub(super) fn slot_lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Serving>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What serving and migrating need, shared by the peer and its rebalancer.
+pub(super) struct Ctx {
+    pub(super) net: NetHandle,
+    pub(super) manifest: Manifest,
+    pub(super) cfg: PeerConfig,
+    pub(super) last: Arc<Mutex<Option<Announcement>>>,
+    pub(super) emit: Observer,
+    /// The final status of every stage this peer left (migrations and stop).
+    pub(super) departed: Mutex<Vec<(usize, ReplicaStatus)>>,
+}
+
+pub(super) fn peers_of(anns: &[Announcement]) -> Vec<PeerId> {
+    anns.iter().filter_map(|a| a.peer.parse().ok()).collect()
+}
+
+impl Ctx {
+    /// The live replicas of every stage: announcements whose peer answers `info` for that
+    /// stage (a dead peer's announcement lives on until it expires, and a leaving one
+    /// refuses `info`). This peer's own announcement counts without a call.
+    pub(super) async fn live(&self) -> Result<Vec<Vec<Announcement>>, PeerError> {
+        let count = self.manifest.config.stages.count;
+        let per_stage = registry::read_run(&self.net, &self.manifest.id, count).await?;
+        let me = self.net.local_peer_id().to_string();
+        let client = StageClient::new(
+            self.net.clone(),
+            self.manifest.id.clone(),
+            self.manifest.config.codecs.activations,
+        )
+        .with_timeout(Duration::from_secs(2));
+        let checks = futures::future::join_all(
+            per_stage
+                .into_iter()
+                .flatten()
+                .filter(|a| a.peer != me)
+                .map(|a| {
+                    let client = client.clone();
+                    async move {
+                        let peer: PeerId = a.peer.parse().ok()?;
+                        let addrs: Vec<Multiaddr> =
+                            a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+                        client.net().add_addresses(peer, addrs).await.ok()?;
+                        // A burst of calls can drop a stream; a live replica answers a retry.
+                        for attempt in 0..3u64 {
+                            if client.info(peer, a.stage as usize).await.is_ok() {
+                                return Some(a);
+                            }
+                            tokio::time::sleep(Duration::from_millis(60 * (attempt + 1))).await;
+                        }
+                        None
+                    }
+                }),
+        )
+        .await;
+        let mut out: Vec<Vec<Announcement>> = vec![Vec::new(); count];
+        let mine = self.last.lock().ok().and_then(|g| g.clone());
+        for a in checks.into_iter().flatten().chain(mine) {
+            if let Some(v) = out.get_mut(a.stage as usize) {
+                v.push(a);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Builds, syncs (from `donors`, if any), serves and announces stage `stage_idx`.
+    pub(super) async fn serve(
+        &self,
+        stage_idx: usize,
+        donors: &[PeerId],
+    ) -> Result<Serving, PeerError> {
+        let cfg = &self.cfg;
+        let manifest = &self.manifest;
+        let count = manifest.config.stages.count;
+        let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
+        let m = &manifest.config.model;
+        let sim = SimCompute::of(&manifest.config, cfg.sim_slowdown);
+        let samples_per_s = match (cfg.throughput, &sim) {
+            (Some(t), _) => t,
+            (None, Some(sim)) => sim.samples_per_s(),
+            (None, None) => measure_throughput(
+                &stage,
+                manifest.config.training.batch_size,
+                m.seq_len,
+                m.d_model,
+                2,
+                cfg.bench_budget,
+            )?,
+        };
+        let mut replica = Replica::new(&manifest.config, stage)?
+            .with_sim(sim)
+            .with_kept_cap(cfg.kept_forwards);
+        let client = StageClient::new(
+            self.net.clone(),
+            manifest.id.clone(),
+            manifest.config.codecs.activations,
+        );
+        let mut synced = None;
+        if !donors.is_empty() {
+            // A stage that already has replicas: start from their state, not the init.
+            let mut rng = Rng::new(crate::rng::derive_seed(
+                crate::dht::now_ms(),
+                &self.net.local_peer_id().to_string(),
+            ));
+            let len = replica.snapshot_len();
+            let (snap, report) = sync::download(&client, stage_idx, donors, len, &mut rng).await?;
+            replica.restore(&snap)?;
+            (self.emit)(Event::Synced {
+                stage: stage_idx,
+                step: snap.step,
+                donors: report.donors.len(),
+                chunks_per_donor: report.chunks_per_donor.clone(),
+            });
+            synced = Some(report);
+        }
+        let replica = Arc::new(tokio::sync::Mutex::new(replica));
+        let service = Arc::new(StageService::start(
+            &self.net,
+            manifest,
+            replica,
+            cfg.service.clone(),
+        )?);
+        let avg_cfg = self.avg_config(service.numel());
+        let seed =
+            crate::rng::derive_seed(crate::dht::now_ms(), &self.net.local_peer_id().to_string());
+        let averager = Averager::spawn(client, Arc::clone(&service), avg_cfg, seed);
+        (self.emit)(Event::Serving {
+            stage: stage_idx,
+            stages: count,
+            device: cfg.device_name.clone(),
+            samples_per_s,
+        });
+        let refresh = Refresh {
+            net: self.net.clone(),
+            service: Arc::clone(&service),
+            manifest: manifest.clone(),
+            device: cfg.device_name.clone(),
+            samples_per_s,
+            ttl: cfg.announce_ttl,
+            last: Arc::clone(&self.last),
+        };
+        refresh.once().await?;
+        Ok(Serving {
+            service,
+            averager,
+            refresher: tokio::spawn(refresh.run()),
+            samples_per_s,
+            synced,
+        })
+    }
+
+    fn avg_config(&self, numel: usize) -> AveragerConfig {
+        AveragerConfig::for_run(&self.manifest.config, numel)
+    }
+
+    /// Leaves a stage gracefully and returns its service (closed) for a checkpoint.
+    pub(super) async fn leave(&self, serving: Serving) -> Arc<StageService> {
+        serving.refresher.abort();
+        let last = self.last.lock().ok().and_then(|mut g| g.take());
+        if let Some(a) = last {
+            let _ = registry::withdraw(&self.net, &a).await;
+        }
+        let service = Arc::clone(&serving.service);
+        service.drain();
+        let deadline = Instant::now() + self.cfg.drain_timeout;
+        let settled = |service: &StageService| {
+            let st = service.status();
+            (service.queue_len(), st.accum_count + st.frozen_count)
+        };
+        let mut warned = false;
+        // Rounds need the rest of the stage: when its step stands still for 3 s (training
+        // has stopped), what is pending here will not be averaged; stop waiting for it.
+        let mut step = (service.step(), Instant::now());
+        let mut wait_settled = async |closed: bool| loop {
+            let (queued, pending) = settled(&service);
+            if queued == 0 && pending == 0 {
+                return;
+            }
+            if service.step() != step.0 {
+                step = (service.step(), Instant::now());
+            }
+            let stalled = queued == 0 && step.1.elapsed() >= Duration::from_secs(3);
+            if Instant::now() >= deadline || stalled {
+                if !warned {
+                    (self.emit)(Event::Leaving {
+                        stage: service.stage(),
+                        queued,
+                        pending,
+                        closed,
+                    });
+                    warned = true;
+                }
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        wait_settled(false).await;
+        // Let the averager tell the stage that nothing is pending here any more, so the
+        // others do not count this replica's last reported samples as lost.
+        tokio::time::sleep(self.avg_config(service.numel()).heartbeat * 2).await;
+        service.close().await;
+        // A call that raced the drain may have queued a job: let it finish.
+        wait_settled(true).await;
+        // Then the others forget this replica at once rather than when its progress goes
+        // stale (so no round waits on it), and count what it still holds as lost.
+        serving.averager.leave();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Ok(mut d) = self.departed.lock() {
+            d.push((service.stage(), service.status()));
+        }
+        drop(serving.averager);
+        service
+    }
+
+    /// Where this peer should move from `mine`, judged on the live swarm.
+    async fn target(&self, mine: usize, my_tp: f64) -> Option<(usize, Vec<Vec<Announcement>>)> {
+        let live = self.live().await.ok()?;
+        let anns: Vec<Announcement> = live.iter().flatten().cloned().collect();
+        let loads = select::loads(self.manifest.config.stages.count, &anns);
+        let tps: Vec<f64> = anns.iter().map(|a| a.samples_per_s).collect();
+        select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY).map(|t| (t, live))
+    }
+}
+
+/// Checks now and then whether to move to the weakest stage, and moves.
+pub(super) async fn rebalance_loop(
+    ctx: Arc<Ctx>,
+    slot: Slot,
+    moving: Arc<tokio::sync::Mutex<()>>,
+    moves: Arc<AtomicU64>,
+    period: Duration,
+    seed: u64,
+) {
+    let mut rng = Rng::new(seed);
+    let me = ctx.net.local_peer_id().to_string();
+    loop {
+        tokio::time::sleep(period.mul_f64(0.5 + rng.next_f64())).await;
+        let current = slot_lock(&slot)
+            .as_ref()
+            .map(|s| (s.service.stage(), s.samples_per_s));
+        let Some((mine, tp)) = current else {
+            continue;
+        };
+        if ctx.target(mine, tp).await.is_none() {
+            continue;
+        }
+        // Confirm after a random pause, so peers that decided together see each other move.
+        tokio::time::sleep(period.mul_f64(0.25 * rng.next_f64())).await;
+        let Some((target, live)) = ctx.target(mine, tp).await else {
+            continue;
+        };
+        let _guard = moving.lock().await;
+        let Some(serving) = slot_lock(&slot).take() else {
+            continue;
+        };
+        (ctx.emit)(Event::Rebalancing {
+            from: mine,
+            to: target,
+        });
+        ctx.leave(serving).await;
+        let others = |s: usize| -> Vec<PeerId> {
+            let anns: Vec<Announcement> =
+                live[s].iter().filter(|a| a.peer != me).cloned().collect();
+            peers_of(&anns)
+        };
+        let serving = match ctx.serve(target, &others(target)).await {
+            Ok(s) => {
+                moves.fetch_add(1, Ordering::Relaxed);
+                Some(s)
+            }
+            Err(e) => {
+                (ctx.emit)(Event::MoveFailed {
+                    to: target,
+                    back: mine,
+                    error: e.to_string(),
+                });
+                match ctx.serve(mine, &others(mine)).await {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        (ctx.emit)(Event::ReturnFailed {
+                            stage: mine,
+                            error: e.to_string(),
+                        });
+                        None
+                    }
+                }
+            }
+        };
+        *slot_lock(&slot) = serving;
+    }
+}
+
+pub(super) struct Refresh {
+    net: NetHandle,
+    service: Arc<StageService>,
+    manifest: Manifest,
+    device: String,
+    samples_per_s: f64,
+    ttl: Duration,
+    last: Arc<Mutex<Option<Announcement>>>,
+}
+
+impl Refresh {
+    async fn once(&self) -> Result<(), NetError> {
+        let addrs = self.net.listen_addrs().await?;
+        let now = dht::now_ms();
+        let ann = Announcement {
+            v: dht::record::ANN_VERSION,
+            run: self.manifest.id.clone(),
+            peer: self.net.local_peer_id().to_string(),
+            addrs: addrs
+                .iter()
+                .take(dht::record::MAX_ADDRS)
+                .map(|a| a.to_string())
+                .collect(),
+            stage: self.service.stage() as u32,
+            stages: self.manifest.config.stages.count as u32,
+            step: self.service.step(),
+            samples_per_s: self.samples_per_s,
+            device: self.device.clone(),
+            queue: self.service.queue_len(),
+            queue_cap: self.service.queue_cap(),
+            params_hash: self.service.params_hash().to_string(),
+            issued_ms: now,
+            expires_ms: now + self.ttl.as_millis() as u64,
+        };
+        self.service
+            .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
+        registry::announce(&self.net, &ann, self.ttl).await?;
+        if let Ok(mut g) = self.last.lock() {
+            *g = Some(ann);
+        }
+        Ok(())
+    }
+
+    async fn run(self) {
+        let period = (self.ttl / 3).max(Duration::from_millis(200));
+        loop {
+            tokio::time::sleep(period).await;
+            let _ = registry::publish_manifest(&self.net, &self.manifest, self.ttl).await;
+            let _ = self.once().await;
+        }
+    }
+}
