@@ -11,13 +11,22 @@
 //! - [`dht`]: run manifests (canonical TOML, run id) and stage announcements, validated.
 //! - [`net`]: the libp2p swarm in one task, a cloneable handle, keys, stream framing.
 //! - [`stage`]: the replica (stage protocol server and client), `shoal status`, `shoal probe`.
-//! - [`averaging`]: stage averaging rounds (butterfly all-reduce) and state download.
-//! - [`trainer`]: trainer loops: stochastic wiring, swap-in, accounting.
-//! - [`swarm`]: the peer process (`shoal peer`): stage, averager and trainers together.
+//!   The server answers forward/backward itself and hands averaging and state calls to the
+//!   [`Extension`](stage::service::Extension) the averaging layer registers.
+//! - [`averaging`]: stage averaging: a pure plan (leader, quotas, who is behind or dead),
+//!   round bookkeeping, the averager task, its server side, and state download.
+//! - [`trainer`]: trainer loops: stochastic wiring, swap-in, accounting, progress totals.
+//! - [`swarm`]: the peer (`shoal peer`): stage, averager and trainers together, and the
+//!   typed [`Event`](swarm::events::Event)s a peer reports (the `--events` JSON lines).
 //! - [`train`]: local training of all stages in one process, through the wire codec.
-//! - [`bench`]: benchmarks that print tables (`shoal bench ...`).
+//! - [`bench`]: in-process benchmarks that print tables (`shoal bench codec|transfer|allreduce`).
 //! - [`files`]: atomic file writes (checkpoints, manifests, keys).
 //! - [`rng`]: the seeded generator every peer computes identically.
+//!
+//! Each module only calls the ones listed before it (`config`, `files` and `rng` are used
+//! throughout). The library never starts `shoal` processes and never reads printed text:
+//! the harness that spawns peers for `shoal demo` and `shoal bench swarm` lives in the
+//! binary (`bin/harness/`) and reads the processes' JSON event streams.
 pub mod averaging;
 pub mod bench;
 pub mod config;

@@ -111,17 +111,22 @@ impl Ctx {
         let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
         let m = &manifest.config.model;
         let sim = SimCompute::of(&manifest.config, cfg.sim_slowdown);
-        let samples_per_s = match (cfg.throughput, &sim) {
-            (Some(t), _) => t,
-            (None, Some(sim)) => sim.samples_per_s(),
-            (None, None) => measure_throughput(
-                &stage,
-                manifest.config.training.batch_size,
-                m.seq_len,
-                m.d_model,
-                2,
-                cfg.bench_budget,
-            )?,
+        let (stage, samples_per_s) = match (cfg.throughput, &sim) {
+            (Some(t), _) => (stage, t),
+            (None, Some(sim)) => (stage, sim.samples_per_s()),
+            (None, None) => {
+                // Compute off the async workers: peers and calls sharing this runtime
+                // keep being served while the stage is measured.
+                let (batch, seq, d) = (manifest.config.training.batch_size, m.seq_len, m.d_model);
+                let budget = cfg.bench_budget;
+                let (stage, tp) = tokio::task::spawn_blocking(move || {
+                    let tp = measure_throughput(&stage, batch, seq, d, 2, budget);
+                    (stage, tp)
+                })
+                .await
+                .map_err(|e| PeerError::Invalid(format!("the throughput task failed: {e}")))?;
+                (stage, tp?)
+            }
         };
         let mut replica = Replica::new(&manifest.config, stage)?
             .with_sim(sim)
