@@ -13,12 +13,12 @@ use crate::rng::Rng;
 use crate::stage::client::StageClient;
 use crate::stage::registry;
 use crate::stage::service::{ReplicaStatus, StageService};
-use crate::wire::msg::AvgMsg;
+use crate::wire::msg::{AvgMsg, ErrorKind};
 use crate::wire::{self, Limits, TensorData};
 use futures::StreamExt;
 use libp2p::{Multiaddr, PeerId};
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -58,6 +58,8 @@ pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver
                         .await
                     {
                         Ok(()) => return,
+                        // A part for a round that is over: sending it again cannot help.
+                        Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return,
                         Err(e) => {
                             if debug {
                                 eprintln!("avg send to {} failed (try {i}): {e}", o.peer);
@@ -83,6 +85,8 @@ pub(super) struct State {
     pub(super) client: StageClient,
     pub(super) service: Arc<StageService>,
     pub(super) outbox: mpsc::Sender<Outgoing>,
+    /// The applied step, shared with the server (which refuses parts of other steps).
+    pub(super) step: Arc<AtomicU64>,
     pub(super) views: HashMap<PeerId, View>,
     pub(super) known: Vec<PeerId>,
     pub(super) round: Option<Round>,
@@ -225,6 +229,7 @@ impl State {
 
     async fn tick(&mut self) {
         let st = self.status();
+        self.step.store(st.params_step, Ordering::Relaxed);
         self.heartbeat(&st);
         // Abandon a round past its deadline (frozen sums stay for the next attempt).
         if let Some(r) = &self.round {

@@ -52,6 +52,9 @@ use tokio::sync::mpsc;
 /// Averaging messages a replica holds before it refuses more (`overloaded`).
 const INBOX: usize = 256;
 
+/// Bytes of the inbox budget beyond one round's parts (progress and control messages).
+const INBOX_SLACK: usize = 1 << 20;
+
 /// Knobs of the averager.
 #[derive(Debug, Clone)]
 pub struct AveragerConfig {
@@ -157,7 +160,13 @@ impl Averager {
         seed: u64,
     ) -> Self {
         let (tx, rx) = mpsc::channel(INBOX);
-        service.attach(Arc::new(server::AvgServer::new(tx, service.replica())));
+        // One round's parts and reduced parts (about twice the encoded gradient) always
+        // fit, plus room for small messages.
+        let part_bytes = wire::max_encoded_len(&[service.numel()], &cfg.codec)
+            .unwrap_or(service.numel().saturating_mul(4));
+        let inbox = server::Inbox::new(tx, part_bytes.saturating_mul(2) + INBOX_SLACK);
+        let step = Arc::clone(&inbox.step);
+        service.attach(Arc::new(server::AvgServer::new(inbox, service.replica())));
         let stats = Arc::new(AvgStats::default());
         let (out_tx, out_rx) = mpsc::channel(actor::OUTBOX);
         tokio::spawn(actor::sender(client.clone(), service.stage(), out_rx));
@@ -169,6 +178,7 @@ impl Averager {
             client,
             service,
             outbox: out_tx,
+            step,
             views: HashMap::new(),
             known: Vec::new(),
             round: None,

@@ -11,8 +11,9 @@ use crate::wire::CodecSpec;
 use futures::future::BoxFuture;
 use libp2p::PeerId;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 /// An averaging message as the averager receives it.
 #[derive(Debug)]
@@ -23,6 +24,36 @@ pub struct Inbound {
     pub msg: AvgMsg,
     /// Its frames.
     pub frames: Vec<Vec<u8>>,
+    /// Its share of the inbox's byte budget, given back when the message is dropped.
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+/// The inbox's byte budget is counted in units of this many bytes.
+const BUDGET_UNIT: usize = 1024;
+
+/// What the averager shares with its server: the inbox, its byte budget, and the step of
+/// the round parts may be for.
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    /// Where messages go.
+    pub tx: mpsc::Sender<Inbound>,
+    /// Bytes of frames the inbox may hold, in [`BUDGET_UNIT`]s.
+    pub budget: Arc<Semaphore>,
+    /// The replica's applied step, as the averager last saw it: parts and reduced parts
+    /// are for rounds of this step only.
+    pub step: Arc<AtomicU64>,
+}
+
+impl Inbox {
+    /// An inbox for `tx` that holds at most `bytes` bytes of frames.
+    pub fn new(tx: mpsc::Sender<Inbound>, bytes: usize) -> Self {
+        let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, Semaphore::MAX_PERMITS);
+        Self {
+            tx,
+            budget: Arc::new(Semaphore::new(units)),
+            step: Arc::new(AtomicU64::new(0)),
+        }
+    }
 }
 
 /// Snapshots kept for joiners still downloading (the newest two steps).
@@ -35,14 +66,14 @@ struct SnapshotEntry {
 
 /// Answers averaging and state calls for one replica.
 pub struct AvgServer {
-    inbox: mpsc::Sender<Inbound>,
+    inbox: Inbox,
     replica: Arc<tokio::sync::Mutex<Replica>>,
     snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
 }
 
 impl AvgServer {
     /// A server that puts averaging messages into `inbox` and snapshots `replica`.
-    pub fn new(inbox: mpsc::Sender<Inbound>, replica: Arc<tokio::sync::Mutex<Replica>>) -> Self {
+    pub fn new(inbox: Inbox, replica: Arc<tokio::sync::Mutex<Replica>>) -> Self {
         Self {
             inbox,
             replica,
@@ -61,11 +92,32 @@ impl AvgServer {
                 "avg request without a message",
             ));
         };
+        if let AvgMsg::Part { step, .. } | AvgMsg::Reduced { step, .. } = &msg {
+            let now = self.inbox.step.load(Ordering::Relaxed);
+            if *step != now {
+                return Err(Refusal::new(
+                    ErrorKind::StaleStep,
+                    format!("a part for step {step}, but this replica averages step {now}"),
+                ));
+            }
+        }
+        let bytes: usize = frames.iter().map(Vec::len).sum();
+        let units = u32::try_from(bytes.div_ceil(BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
+        let permit = Arc::clone(&self.inbox.budget)
+            .try_acquire_many_owned(units)
+            .map_err(|_| {
+                Refusal::new(
+                    ErrorKind::Overloaded,
+                    format!("averaging inbox is full (a message of {bytes} bytes waits)"),
+                )
+            })?;
         self.inbox
+            .tx
             .try_send(Inbound {
                 from: peer,
                 msg,
                 frames,
+                permit: Some(permit),
             })
             .map_err(|_| Refusal::new(ErrorKind::Overloaded, "averaging inbox is full"))?;
         Ok(Answer::default())
@@ -166,5 +218,76 @@ impl Extension for AvgServer {
                 )),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RunConfig;
+    use crate::model::Stage;
+    use crate::wire::msg::MSG_VERSION;
+
+    fn server(budget_bytes: usize) -> (AvgServer, mpsc::Receiver<Inbound>, Inbox) {
+        let cfg = RunConfig::tiny();
+        let stage = Stage::new(&cfg, 0, &candle_core::Device::Cpu).unwrap();
+        let replica = Arc::new(tokio::sync::Mutex::new(Replica::new(&cfg, stage).unwrap()));
+        let (tx, rx) = mpsc::channel(16);
+        let inbox = Inbox::new(tx, budget_bytes);
+        (AvgServer::new(inbox.clone(), replica), rx, inbox)
+    }
+
+    fn part(step: u64) -> Request {
+        Request {
+            v: MSG_VERSION,
+            run: "r".into(),
+            stage: 0,
+            step: 0,
+            mb: 0,
+            op: Op::Avg,
+            tensors: 1,
+            avg: Some(AvgMsg::Part {
+                step,
+                attempt: 1,
+                count: 4,
+            }),
+            chunk: None,
+        }
+    }
+
+    #[test]
+    fn parts_of_other_steps_are_refused_and_the_inbox_is_bounded_by_bytes() {
+        let (srv, mut rx, inbox) = server(8 * BUDGET_UNIT);
+        let peer = PeerId::random();
+        inbox.step.store(3, Ordering::Relaxed);
+        for step in [2, 4] {
+            let e = srv
+                .message(peer, part(step), vec![vec![0u8; 100]])
+                .unwrap_err();
+            assert_eq!(e.kind, ErrorKind::StaleStep);
+            assert!(e.message.contains(&format!("step {step}")), "{}", e.message);
+        }
+        assert_eq!(
+            inbox.budget.available_permits(),
+            8,
+            "a refused part holds nothing"
+        );
+        // The current step's parts are taken until their bytes fill the budget.
+        srv.message(peer, part(3), vec![vec![0u8; 5 * BUDGET_UNIT]])
+            .unwrap();
+        assert_eq!(inbox.budget.available_permits(), 3);
+        let e = srv
+            .message(peer, part(3), vec![vec![0u8; 4 * BUDGET_UNIT]])
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Overloaded);
+        // Handling a message gives its bytes back.
+        drop(rx.try_recv().unwrap());
+        assert_eq!(inbox.budget.available_permits(), 8);
+        srv.message(peer, part(3), vec![vec![0u8; 4 * BUDGET_UNIT]])
+            .unwrap();
+        // Control messages are not tied to a step.
+        let mut leave = part(0);
+        leave.avg = Some(AvgMsg::Leave { pending: 1 });
+        srv.message(peer, leave, Vec::new()).unwrap();
     }
 }
