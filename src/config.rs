@@ -244,6 +244,10 @@ pub struct AveragingConfig {
     /// heartbeats is taken for dead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heartbeat_ms: Option<u64>,
+    /// Floats per chunk of a state download (default 262144, 1 MiB). Smaller chunks mean
+    /// more calls; tests use them to make many chunks of a small state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_chunk_floats: Option<usize>,
 }
 
 impl AveragingConfig {
@@ -452,6 +456,13 @@ impl RunConfig {
             if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
                 return bad(format!(
                     "averaging.round_timeout_s must be in (0, 86400] seconds, got {t}"
+                ));
+            }
+        }
+        if let Some(c) = self.averaging.state_chunk_floats {
+            if !(1..=(16 << 20)).contains(&c) {
+                return bad(format!(
+                    "averaging.state_chunk_floats must be in 1..=16777216, got {c}"
                 ));
             }
         }

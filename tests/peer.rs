@@ -9,16 +9,18 @@
 use candle_core::{DType, Device, Tensor};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::{Multiaddr, PeerId};
-use shoal::averaging::sync::{chunk_hash, STATE_CHUNK};
+use shoal::averaging::server::{AvgServer, Inbox};
+use shoal::averaging::sync::{chunk_hash, root_hash, STATE_CHUNK};
 use shoal::config::RunConfig;
 use shoal::data::{Sampler, TokenSource};
 use shoal::dht::Manifest;
 use shoal::model::{Stage, Upstream};
 use shoal::net::{self, keys, NetConfig, NetHandle};
 use shoal::stage::client::{exchange, CallError, StageClient};
+use shoal::stage::service::{Answer, Extension, Refusal};
 use shoal::stage::{registry, STAGE_PROTOCOL};
 use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
-use shoal::wire::msg::{ErrorKind, Op, Request, MSG_VERSION};
+use shoal::wire::msg::{ErrorKind, Op, Request, HASH_PAGE, MSG_VERSION};
 use shoal::wire::{CodecSpec, Limits};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -642,9 +644,20 @@ async fn state_snapshot_chunks_download() {
     let want = p.service().unwrap().numel() as u64 * 3;
     assert_eq!(info.len, want);
     assert_eq!(info.chunk, STATE_CHUNK as u64);
-    assert_eq!(info.hashes.len(), (want as usize).div_ceil(STATE_CHUNK));
+    assert_eq!(info.chunks as usize, (want as usize).div_ceil(STATE_CHUNK));
+    // The chunk hashes come in pages; together they prove the root hash.
+    let mut hashes = Vec::new();
+    for page in 0..(info.chunks as usize).div_ceil(HASH_PAGE) {
+        hashes.extend(
+            sc.state_hashes(pid, 0, info.step, page as u32)
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(hashes.len() as u64, info.chunks);
+    assert_eq!(root_hash(&hashes), info.root);
     let mut total = 0;
-    for (i, hash) in info.hashes.iter().enumerate() {
+    for (i, hash) in hashes.iter().enumerate() {
         let v = sc.state_chunk(pid, 0, info.step, i as u32).await.unwrap();
         assert_eq!(&chunk_hash(&v), hash, "chunk {i}");
         total += v.len() as u64;
@@ -652,18 +665,97 @@ async fn state_snapshot_chunks_download() {
     assert_eq!(total, info.len);
     // The same chunks, all at once.
     let all = futures::future::join_all(
-        (0..info.hashes.len()).map(|i| sc.state_chunk(pid, 0, info.step, i as u32)),
+        (0..hashes.len()).map(|i| sc.state_chunk(pid, 0, info.step, i as u32)),
     )
     .await;
     for (i, v) in all.into_iter().enumerate() {
         let v = v.unwrap_or_else(|e| panic!("concurrent chunk {i}: {e}"));
-        assert_eq!(chunk_hash(&v), info.hashes[i], "concurrent chunk {i}");
+        assert_eq!(chunk_hash(&v), hashes[i], "concurrent chunk {i}");
     }
-    // A chunk past the end and a step not held are refused with their kinds.
-    let n = info.hashes.len() as u32;
+    // A chunk or page past the end and a step not held are refused with their kinds.
+    let n = hashes.len() as u32;
+    let e = sc.state_hashes(pid, 0, info.step, n).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::BadRequest), "{e}");
     let e = sc.state_chunk(pid, 0, info.step, n).await.unwrap_err();
     assert_eq!(e.kind(), Some(ErrorKind::BadRequest), "{e}");
     let e = sc.state_chunk(pid, 0, info.step + 7, 0).await.unwrap_err();
     assert_eq!(e.kind(), Some(ErrorKind::StaleStep), "{e}");
     p.stop().await.unwrap();
+}
+
+/// A donor that serves every state chunk with one value changed (a well-formed frame with
+/// the wrong contents), around the real averaging server.
+struct Corrupting(AvgServer);
+
+impl Extension for Corrupting {
+    fn call(
+        &self,
+        peer: PeerId,
+        req: Request,
+        frames: Vec<Vec<u8>>,
+    ) -> futures::future::BoxFuture<'_, Result<Answer, Refusal>> {
+        Box::pin(async move {
+            let op = req.op;
+            let mut a = self.0.call(peer, req, frames).await?;
+            if op == Op::StateChunk {
+                for f in &mut a.frames {
+                    let t = shoal::wire::decode(f, &Limits::default()).unwrap();
+                    let shoal::wire::TensorData::F32(mut v) = t.data else {
+                        panic!("state chunks are f32");
+                    };
+                    v[0] += 1.0;
+                    f.clear();
+                    shoal::wire::encode_f32(&t.shape, &v, &CodecSpec::F32, f).unwrap();
+                }
+            }
+            Ok(a)
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_serving_bad_chunks_is_dropped_and_the_state_checks_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = three_stage(CodecSpec::F32);
+    cfg.averaging.state_chunk_floats = Some(1024);
+    cfg.validate().unwrap();
+    let (m, path) = manifest_file(&dir, &cfg);
+    let good = start(peer_config(
+        RunSource::File(path),
+        vec![],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
+    let boot = good.addrs()[0].clone();
+    let bad = start(peer_config(
+        RunSource::Id(m.id.clone()),
+        vec![boot.clone()],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
+    let svc = bad.service().unwrap();
+    let (tx, _rx) = tokio::sync::mpsc::channel(1);
+    let inner = AvgServer::new(Inbox::new(tx, 1 << 20), svc.replica(), 1024);
+    svc.attach(std::sync::Arc::new(Corrupting(inner)));
+    let joiner = start(peer_config(
+        RunSource::Id(m.id.clone()),
+        vec![boot],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
+    let r = joiner.synced().expect("the joiner downloads the state");
+    assert_eq!(r.banned, vec![bad.net().local_peer_id()], "{r:?}");
+    let chunks: usize = r.chunks_per_donor.iter().sum();
+    let want = (svc.numel() * 3).div_ceil(1024);
+    assert_eq!(chunks, want);
+    assert_eq!(
+        joiner.service().unwrap().params_hash(),
+        good.service().unwrap().params_hash()
+    );
+    for p in [joiner, bad, good] {
+        p.stop().await.unwrap();
+    }
 }

@@ -578,3 +578,55 @@ async fn rebalancing_spreads_a_piled_up_stage_without_flapping() {
     }
     boot.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trained_state_of_more_chunks_than_one_header_holds_is_downloaded_whole() {
+    let _g = SERIAL.lock().await;
+    let mut cfg = run_config(20);
+    cfg.stages.count = 2;
+    // 32 floats a chunk: stage 0's state is ~10k chunks, whose hashes (19 bytes each in
+    // JSON) are more than twice what one 64 KiB message header could hold.
+    cfg.averaging.state_chunk_floats = Some(32);
+    // One microbatch a step: every microbatch steps the run.
+    cfg.training.target_batch_size = Some(cfg.training.batch_size);
+    cfg.validate().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = swarm(&dir, &cfg, 1).await;
+    // Train a few steps, so the state differs from the init a joiner starts with.
+    let t = trainers(&s, 1, 3).await;
+    wait_trainers(&t, Duration::from_secs(120)).await;
+    let donor = s.peers.iter().find(|p| p.stage() == Some(0)).unwrap();
+    let t0 = Instant::now();
+    while donor.service().unwrap().step() < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "stage 0 did not step"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (step, hash) = {
+        let st = donor.service().unwrap().status();
+        (st.params_step, st.params_hash)
+    };
+    let started = Instant::now();
+    let joiner = start(pc(
+        RunSource::Id(s.m.id.clone()),
+        vec![s.addr.clone()],
+        StageChoice::Index(0),
+    ))
+    .await;
+    let r = joiner.synced().expect("the joiner downloads the state");
+    let chunks: usize = r.chunks_per_donor.iter().sum();
+    let numel = donor.service().unwrap().numel();
+    assert_eq!(chunks, (3 * numel).div_ceil(32));
+    assert!(
+        chunks * 19 > 2 * shoal::wire::msg::MAX_HEADER,
+        "{chunks} chunks"
+    );
+    let st = joiner.service().unwrap().status();
+    assert_eq!((st.params_step, st.params_hash), (step, hash));
+    eprintln!(
+        "{chunks} chunks of 32 floats downloaded and checked in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}

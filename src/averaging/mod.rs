@@ -70,6 +70,8 @@ pub struct AveragerConfig {
     pub round_timeout: Duration,
     /// How often the stage's replicas are re-read from the DHT.
     pub membership_every: Duration,
+    /// Floats per chunk of the state this replica offers to joiners.
+    pub state_chunk: usize,
 }
 
 impl AveragerConfig {
@@ -82,6 +84,7 @@ impl AveragerConfig {
             live_timeout: Duration::from_secs(3),
             round_timeout: Self::MIN_ROUND_TIMEOUT,
             membership_every: Duration::from_secs(2),
+            state_chunk: sync::STATE_CHUNK,
         }
     }
 
@@ -99,6 +102,9 @@ impl AveragerConfig {
         if let Some(ms) = run.averaging.heartbeat_ms {
             c.heartbeat = Duration::from_millis(ms);
             c.live_timeout = c.heartbeat * 10;
+        }
+        if let Some(f) = run.averaging.state_chunk_floats {
+            c.state_chunk = f;
         }
         c.round_timeout = match run.averaging.round_timeout_s {
             Some(s) => Duration::from_secs_f64(s),
@@ -166,7 +172,11 @@ impl Averager {
             .unwrap_or(service.numel().saturating_mul(4));
         let inbox = server::Inbox::new(tx, part_bytes.saturating_mul(2) + INBOX_SLACK);
         let step = Arc::clone(&inbox.step);
-        service.attach(Arc::new(server::AvgServer::new(inbox, service.replica())));
+        service.attach(Arc::new(server::AvgServer::new(
+            inbox,
+            service.replica(),
+            cfg.state_chunk,
+        )));
         let stats = Arc::new(AvgStats::default());
         let (out_tx, out_rx) = mpsc::channel(actor::OUTBOX);
         tokio::spawn(actor::sender(client.clone(), service.stage(), out_rx));

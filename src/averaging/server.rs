@@ -3,10 +3,10 @@
 //! the replica. Registered with the stage service as its [`Extension`]; the client side of
 //! state download is [`super::sync`], and both use [`super::sync::chunk_hash`].
 
-use super::sync::{chunk_hash, STATE_CHUNK};
+use super::sync::{chunk_hash, root_hash};
 use crate::stage::replica::{Replica, Snapshot};
 use crate::stage::service::{Answer, Extension, Refusal};
-use crate::wire::msg::{AvgMsg, ErrorKind, Op, Request, StateInfo};
+use crate::wire::msg::{AvgMsg, ErrorKind, Op, Request, StateInfo, HASH_PAGE};
 use crate::wire::CodecSpec;
 use futures::future::BoxFuture;
 use libp2p::PeerId;
@@ -61,6 +61,7 @@ const SNAPSHOTS_KEPT: usize = 2;
 
 struct SnapshotEntry {
     info: StateInfo,
+    hashes: Vec<String>,
     snap: Snapshot,
 }
 
@@ -68,15 +69,19 @@ struct SnapshotEntry {
 pub struct AvgServer {
     inbox: Inbox,
     replica: Arc<tokio::sync::Mutex<Replica>>,
+    /// Floats per state chunk.
+    chunk: usize,
     snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
 }
 
 impl AvgServer {
-    /// A server that puts averaging messages into `inbox` and snapshots `replica`.
-    pub fn new(inbox: Inbox, replica: Arc<tokio::sync::Mutex<Replica>>) -> Self {
+    /// A server that puts averaging messages into `inbox` and offers snapshots of
+    /// `replica` in chunks of `chunk` floats.
+    pub fn new(inbox: Inbox, replica: Arc<tokio::sync::Mutex<Replica>>, chunk: usize) -> Self {
         Self {
             inbox,
             replica,
+            chunk: chunk.max(1),
             snapshots: Mutex::new(VecDeque::new()),
         }
     }
@@ -129,11 +134,13 @@ impl AvgServer {
             .await
             .map_err(|e| Refusal::new(ErrorKind::Internal, e.to_string()))?
             .map_err(|e| Refusal::new(ErrorKind::Internal, e.to_string()))?;
+        let hashes: Vec<String> = snap.flat.chunks(self.chunk).map(chunk_hash).collect();
         let info = StateInfo {
             step: snap.step,
             len: snap.flat.len() as u64,
-            chunk: STATE_CHUNK as u64,
-            hashes: snap.flat.chunks(STATE_CHUNK).map(chunk_hash).collect(),
+            chunk: self.chunk as u64,
+            chunks: hashes.len() as u64,
+            root: root_hash(&hashes),
             params_hash: snap.params_hash.clone(),
             samples_applied: snap.samples_applied,
             samples_lost: snap.samples_lost,
@@ -143,6 +150,7 @@ impl AvgServer {
             cache.retain(|e| e.info.step != info.step);
             cache.push_back(Arc::new(SnapshotEntry {
                 info: info.clone(),
+                hashes,
                 snap,
             }));
             while cache.len() > SNAPSHOTS_KEPT {
@@ -151,15 +159,16 @@ impl AvgServer {
         }
         Ok(Answer {
             state: Some(info),
-            frames: Vec::new(),
+            ..Answer::default()
         })
     }
 
-    fn state_chunk(&self, req: &Request) -> Result<Answer, Refusal> {
+    /// The snapshot a chunk or hash-page request names.
+    fn entry(&self, req: &Request) -> Result<(Arc<SnapshotEntry>, usize), Refusal> {
         let Some(c) = req.chunk else {
             return Err(Refusal::new(
                 ErrorKind::BadRequest,
-                "state_chunk without a chunk",
+                format!("{:?} without a chunk", req.op),
             ));
         };
         let entry = self
@@ -176,15 +185,36 @@ impl AvgServer {
                 ),
             ));
         };
+        Ok((entry, c.index as usize))
+    }
+
+    fn state_hashes(&self, req: &Request) -> Result<Answer, Refusal> {
+        let (entry, page) = self.entry(req)?;
+        let start = page.saturating_mul(HASH_PAGE);
+        if start >= entry.hashes.len() {
+            return Err(Refusal::new(
+                ErrorKind::BadRequest,
+                "hash page index out of range",
+            ));
+        }
+        let end = (start + HASH_PAGE).min(entry.hashes.len());
+        Ok(Answer {
+            hashes: Some(entry.hashes[start..end].to_vec()),
+            ..Answer::default()
+        })
+    }
+
+    fn state_chunk(&self, req: &Request) -> Result<Answer, Refusal> {
+        let (entry, index) = self.entry(req)?;
         let flat = &entry.snap.flat;
-        let start = (c.index as usize).saturating_mul(STATE_CHUNK);
+        let start = index.saturating_mul(self.chunk);
         if start >= flat.len() {
             return Err(Refusal::new(
                 ErrorKind::BadRequest,
                 "chunk index out of range",
             ));
         }
-        let end = (start + STATE_CHUNK).min(flat.len());
+        let end = (start + self.chunk).min(flat.len());
         let mut frame = Vec::new();
         crate::wire::encode_f32(
             &[end - start],
@@ -194,8 +224,8 @@ impl AvgServer {
         )
         .map_err(|e| Refusal::new(ErrorKind::Internal, e.to_string()))?;
         Ok(Answer {
-            state: None,
             frames: vec![frame],
+            ..Answer::default()
         })
     }
 }
@@ -212,6 +242,7 @@ impl Extension for AvgServer {
                 Op::Avg => self.message(peer, req, frames),
                 Op::StateInfo => self.state_info().await,
                 Op::StateChunk => self.state_chunk(&req),
+                Op::StateHashes => self.state_hashes(&req),
                 other => Err(Refusal::new(
                     ErrorKind::BadRequest,
                     format!("{other:?} is not an averaging call"),
@@ -234,7 +265,7 @@ mod tests {
         let replica = Arc::new(tokio::sync::Mutex::new(Replica::new(&cfg, stage).unwrap()));
         let (tx, rx) = mpsc::channel(16);
         let inbox = Inbox::new(tx, budget_bytes);
-        (AvgServer::new(inbox.clone(), replica), rx, inbox)
+        (AvgServer::new(inbox.clone(), replica, 64), rx, inbox)
     }
 
     fn part(step: u64) -> Request {

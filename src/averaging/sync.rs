@@ -1,18 +1,26 @@
 //! State download for a joining (or lagging) replica: parameters and optimizer moments in
-//! chunks, spread over every donor that holds the same snapshot, each chunk hash-checked.
+//! chunks, spread over every donor that holds the same snapshot, each chunk hash-checked,
+//! and the whole state checked against its root hash.
 //!
 //! Donors are the replicas at the highest step; only those whose snapshots agree (same
-//! step, same chunk hashes) are used together. Chunk `i` goes to donor `(i + offset) % d`
-//! with a random offset, so joiners arriving together do not all start on one donor, and
-//! a failed or corrupt chunk is retried on the next donor.
+//! step, size, chunking and root hash) are used together. The chunk hashes come in pages
+//! ([`HASH_PAGE`] per call), from one donor at a time until a complete list matches the
+//! root; so the list of a state of any size never has to fit in one message. Chunks come
+//! from a shared queue: each donor works through it with a few calls in flight, writing
+//! each verified chunk straight into its place in the state. A chunk that fails goes back
+//! to the queue for the others (a download resumes from what it has when a donor dies); a
+//! donor that served a chunk with the wrong hash is not asked again in this download.
 
 use crate::rng::Rng;
-use crate::stage::client::{CallError, StageClient};
+use crate::stage::client::StageClient;
 use crate::stage::replica::Snapshot;
-use crate::wire::msg::StateInfo;
+use crate::wire::msg::{StateInfo, HASH_PAGE};
 use futures::future::join_all;
 use libp2p::PeerId;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
 
 /// Why no state could be downloaded.
 #[derive(Debug, thiserror::Error)]
@@ -20,7 +28,7 @@ pub enum SyncError {
     /// No donor answered.
     #[error("no replica answered a state request ({0})")]
     NoDonor(String),
-    /// A chunk failed on every donor.
+    /// A chunk could not be fetched from any donor.
     #[error("chunk {index} could not be fetched from any donor: {cause}")]
     Chunk {
         /// The chunk.
@@ -36,6 +44,9 @@ pub enum SyncError {
         /// Floats expected.
         want: usize,
     },
+    /// No donor gave a chunk list that matches the state's root hash.
+    #[error("no donor's chunk hashes match the state's root hash ({0})")]
+    Corrupt(String),
 }
 
 /// What a download did.
@@ -45,10 +56,18 @@ pub struct SyncReport {
     pub donors: Vec<PeerId>,
     /// Chunks fetched from each donor, in `donors` order.
     pub chunks_per_donor: Vec<usize>,
+    /// Donors dropped for serving a chunk that failed its hash.
+    pub banned: Vec<PeerId>,
 }
 
-/// Floats per state chunk (1 MiB).
+/// Floats per state chunk (1 MiB) unless the run sets `averaging.state_chunk_floats`.
 pub const STATE_CHUNK: usize = 256 << 10;
+
+/// Chunk calls each donor has in flight, so a link's latency does not idle it.
+const PER_DONOR: usize = 4;
+
+/// Failed calls in a row after which a donor is given up for this download.
+const DONOR_FAILURES: usize = 3;
 
 /// The hash of one state chunk, as donors list it and joiners check it.
 pub fn chunk_hash(values: &[f32]) -> String {
@@ -56,6 +75,127 @@ pub fn chunk_hash(values: &[f32]) -> String {
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(bytemuck::cast_slice(values))
     )
+}
+
+/// The hash of a whole state: of its chunk hashes, in order.
+pub fn root_hash(hashes: &[String]) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for c in hashes {
+        h.update(c.as_bytes());
+    }
+    format!("{:016x}", h.digest())
+}
+
+/// Whether an offer is self-consistent and fits a stage of `want_len` floats.
+fn check_offer(info: &StateInfo, want_len: usize) -> Result<(), SyncError> {
+    let consistent = info.chunk > 0 && info.chunks == info.len.div_ceil(info.chunk.max(1));
+    if info.len as usize != want_len || !consistent {
+        return Err(SyncError::Size {
+            got: info.len,
+            want: want_len,
+        });
+    }
+    Ok(())
+}
+
+/// The chunk list of `info`, from the first donor whose pages match its root hash.
+async fn fetch_hashes(
+    client: &StageClient,
+    stage: usize,
+    info: &StateInfo,
+    donors: &[PeerId],
+) -> Result<Vec<String>, SyncError> {
+    let pages = (info.chunks as usize).div_ceil(HASH_PAGE);
+    let mut why = Vec::new();
+    for &d in donors {
+        let mut hashes = Vec::with_capacity(info.chunks as usize);
+        let mut failed = None;
+        for page in 0..pages {
+            match client.state_hashes(d, stage, info.step, page as u32).await {
+                Ok(h) if h.len() == HASH_PAGE.min(info.chunks as usize - page * HASH_PAGE) => {
+                    hashes.extend(h)
+                }
+                Ok(h) => {
+                    failed = Some(format!("{d}: page {page} holds {} hashes", h.len()));
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(format!("{d}: {e}"));
+                    break;
+                }
+            }
+        }
+        match failed {
+            None if root_hash(&hashes) == info.root => return Ok(hashes),
+            None => why.push(format!("{d}: the list does not match the root hash")),
+            Some(f) => why.push(f),
+        }
+    }
+    Err(SyncError::Corrupt(why.join("; ")))
+}
+
+/// What the chunk workers share.
+struct Work<'a> {
+    queue: Mutex<VecDeque<usize>>,
+    flat: Mutex<Vec<f32>>,
+    hashes: &'a [String],
+    info: &'a StateInfo,
+    /// Per donor: banned for a bad chunk.
+    banned: Vec<AtomicBool>,
+    /// Per donor: chunks it served.
+    served: Vec<Mutex<usize>>,
+    last_error: Mutex<String>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Work<'_> {
+    fn next(&self) -> Option<usize> {
+        lock(&self.queue).pop_front()
+    }
+
+    fn give_back(&self, i: usize, why: String) {
+        lock(&self.queue).push_back(i);
+        *lock(&self.last_error) = why;
+    }
+
+    /// One worker of donor `k`: takes chunks until the queue is empty or the donor is
+    /// given up.
+    async fn worker(&self, client: &StageClient, stage: usize, k: usize, donor: PeerId) {
+        let mut failures = 0;
+        while !self.banned[k].load(Ordering::Relaxed) {
+            let Some(i) = self.next() else { return };
+            let want = self.info.chunk as usize;
+            let start = i * want;
+            let len = want.min(self.info.len as usize - start);
+            match client
+                .state_chunk(donor, stage, self.info.step, i as u32)
+                .await
+            {
+                Ok(v) if v.len() == len && chunk_hash(&v) == self.hashes[i] => {
+                    lock(&self.flat)[start..start + len].copy_from_slice(&v);
+                    *lock(&self.served[k]) += 1;
+                    failures = 0;
+                }
+                Ok(_) => {
+                    // A donor that serves a bad chunk is not asked again.
+                    self.banned[k].store(true, Ordering::Relaxed);
+                    self.give_back(i, format!("{donor} served chunk {i} with a bad hash"));
+                    return;
+                }
+                Err(e) => {
+                    self.give_back(i, format!("{donor}: {e}"));
+                    failures += 1;
+                    if failures >= DONOR_FAILURES {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100 << failures)).await;
+                }
+            }
+        }
+    }
 }
 
 /// Downloads the newest agreed snapshot of `stage` from `candidates`.
@@ -74,7 +214,6 @@ pub async fn download(
     .await;
     let mut errors = Vec::new();
     // Group donors by what they offer; the newest step with the most donors wins.
-    let mut groups: BTreeMap<(u64, usize), (StateInfo, Vec<PeerId>)> = BTreeMap::new();
     let mut offers: Vec<(StateInfo, Vec<PeerId>)> = Vec::new();
     for (p, r) in infos {
         match r {
@@ -85,89 +224,59 @@ pub async fn download(
             Err(e) => errors.push(format!("{p}: {e}")),
         }
     }
+    let mut groups: BTreeMap<(u64, usize), (StateInfo, Vec<PeerId>)> = BTreeMap::new();
     for (info, ps) in offers {
         groups.insert((info.step, ps.len()), (info, ps));
     }
     let Some((_, (info, mut donors))) = groups.into_iter().next_back() else {
         return Err(SyncError::NoDonor(errors.join("; ")));
     };
-    if info.len as usize != want_len || info.chunk == 0 {
-        return Err(SyncError::Size {
-            got: info.len,
-            want: want_len,
-        });
-    }
+    check_offer(&info, want_len)?;
     // Shuffle so concurrent joiners spread over the donors.
     for i in (1..donors.len()).rev() {
         donors.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    let n_chunks = info.hashes.len();
-    let offset = rng.below(donors.len() as u64) as usize;
-    // Each donor serves its share of chunks in order; donors work in parallel. A chunk that
-    // fails (error or hash mismatch) is retried on the next donors, then once more on all.
-    let d = donors.len();
-    let shares = join_all((0..d).map(|k| {
-        let donors = &donors;
-        let info = &info;
-        async move {
-            let mut got = Vec::new();
-            for i in (0..n_chunks).filter(|i| (i + offset) % d == k) {
-                let mut last: Option<CallError> = None;
-                let mut done = None;
-                'tries: for round in 0..2 {
-                    // The assigned donor twice (a dropped stream is usually transient),
-                    // then the others.
-                    for j in std::iter::once(0).chain(0..d) {
-                        let who = (k + j) % d;
-                        match client
-                            .state_chunk(donors[who], stage, info.step, i as u32)
-                            .await
-                        {
-                            Ok(v) if chunk_hash(&v) == info.hashes[i] => {
-                                done = Some((who, v));
-                                break 'tries;
-                            }
-                            Ok(_) => {
-                                last = Some(CallError::Protocol(format!("chunk {i} hash mismatch")))
-                            }
-                            Err(e) => last = Some(e),
-                        }
-                    }
-                    if round == 0 {
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    }
-                }
-                match done {
-                    Some((who, v)) => got.push((i, who, v)),
-                    None => {
-                        return Err(SyncError::Chunk {
-                            index: i as u32,
-                            cause: last.map(|e| e.to_string()).unwrap_or_default(),
-                        })
-                    }
-                }
-            }
-            Ok(got)
+    let hashes = fetch_hashes(client, stage, &info, &donors).await?;
+    // Start at a random chunk, so joiners arriving together do not all begin on one.
+    let n = info.chunks as usize;
+    let offset = rng.below(n.max(1) as u64) as usize;
+    let work = Work {
+        queue: Mutex::new((0..n).map(|i| (i + offset) % n).collect()),
+        flat: Mutex::new(vec![0.0; want_len]),
+        hashes: &hashes,
+        info: &info,
+        banned: donors.iter().map(|_| AtomicBool::new(false)).collect(),
+        served: donors.iter().map(|_| Mutex::new(0)).collect(),
+        last_error: Mutex::new(String::new()),
+    };
+    let mut done = 0;
+    // A second pass over the donors still standing picks up chunks given back late.
+    for _ in 0..2 {
+        join_all(donors.iter().enumerate().flat_map(|(k, &d)| {
+            let work = &work;
+            (0..PER_DONOR).map(move |_| work.worker(client, stage, k, d))
+        }))
+        .await;
+        done = work.served.iter().map(|s| *lock(s)).sum::<usize>();
+        if done == n {
+            break;
         }
-    }))
-    .await;
-    let mut fetched: Vec<(usize, usize, Vec<f32>)> = Vec::with_capacity(n_chunks);
-    for share in shares {
-        fetched.extend(share?);
     }
-    fetched.sort_by_key(|(i, _, _)| *i);
-    let mut flat = Vec::with_capacity(want_len);
-    let mut per = vec![0usize; donors.len()];
-    for (_, who, v) in fetched {
-        per[who] += 1;
-        flat.extend(v);
-    }
-    if flat.len() != want_len {
-        return Err(SyncError::Size {
-            got: flat.len() as u64,
-            want: want_len,
+    if done < n {
+        let index = lock(&work.queue).front().copied().unwrap_or(0) as u32;
+        return Err(SyncError::Chunk {
+            index,
+            cause: lock(&work.last_error).clone(),
         });
     }
+    let banned = donors
+        .iter()
+        .zip(&work.banned)
+        .filter(|(_, b)| b.load(Ordering::Relaxed))
+        .map(|(d, _)| *d)
+        .collect();
+    let chunks_per_donor = work.served.iter().map(|s| *lock(s)).collect();
+    let flat = work.flat.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok((
         Snapshot {
             step: info.step,
@@ -178,7 +287,54 @@ pub async fn download(
         },
         SyncReport {
             donors,
-            chunks_per_donor: per,
+            chunks_per_donor,
+            banned,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_root_hash_covers_every_chunk_and_their_order() {
+        let a: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let h: Vec<String> = a.chunks(4).map(chunk_hash).collect();
+        assert_eq!(h.len(), 3);
+        let root = root_hash(&h);
+        let mut swapped = h.clone();
+        swapped.swap(0, 1);
+        assert_ne!(root_hash(&swapped), root);
+        let mut b = a.clone();
+        b[9] = 0.5;
+        let hb: Vec<String> = b.chunks(4).map(chunk_hash).collect();
+        assert_ne!(root_hash(&hb), root);
+        assert_eq!(root_hash(&h[..2]), root_hash(&h[..2]));
+    }
+
+    #[test]
+    fn offers_must_be_consistent_and_fit_the_stage() {
+        let info = StateInfo {
+            step: 1,
+            len: 10,
+            chunk: 4,
+            chunks: 3,
+            root: String::new(),
+            params_hash: String::new(),
+            samples_applied: 0,
+            samples_lost: 0,
+        };
+        assert!(check_offer(&info, 10).is_ok());
+        assert!(check_offer(&info, 11).is_err());
+        assert!(check_offer(
+            &StateInfo {
+                chunks: 2,
+                ..info.clone()
+            },
+            10
+        )
+        .is_err());
+        assert!(check_offer(&StateInfo { chunk: 0, ..info }, 10).is_err());
+    }
 }

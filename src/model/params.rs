@@ -103,10 +103,17 @@ impl ParamSet {
 
     /// xxh3-64 over every parameter's bytes in order: equal hashes mean bit-identical weights.
     pub fn hash(&self) -> candle_core::Result<u64> {
+        let values: Vec<&Tensor> = self.vars.iter().map(|v| v.as_tensor()).collect();
+        self.hash_values(&values)
+    }
+
+    /// The hash these parameters would have holding `values` (in parameter order): lets a
+    /// downloaded state be checked before it replaces anything.
+    pub fn hash_values(&self, values: &[&Tensor]) -> candle_core::Result<u64> {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
-        for (name, var) in self.names.iter().zip(&self.vars) {
+        for (name, t) in self.names.iter().zip(values) {
             h.update(name.as_bytes());
-            let flat = var.as_tensor().flatten_all()?;
+            let flat = t.flatten_all()?;
             match flat.dtype() {
                 DType::F64 => h.update(bytemuck::cast_slice(&flat.to_vec1::<f64>()?)),
                 _ => h.update(bytemuck::cast_slice(

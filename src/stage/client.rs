@@ -393,6 +393,22 @@ impl StageClient {
         }
     }
 
+    /// Fetches page `page` of the chunk hashes of a snapshot.
+    pub async fn state_hashes(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        step: u64,
+        page: u32,
+    ) -> Result<Vec<String>, CallError> {
+        let mut req = self.request(stage, 0, 0, Op::StateHashes, 0);
+        req.chunk = Some(ChunkReq { step, index: page });
+        let (header, _) = self.call(peer, &req, &[]).await?;
+        header
+            .hashes
+            .ok_or_else(|| CallError::Protocol("state_hashes reply without hashes".into()))
+    }
+
     /// The replica's own announcement, as JSON.
     pub async fn info(&self, peer: PeerId, stage: usize) -> Result<Response, CallError> {
         let req = self.request(stage, 0, 0, Op::Info, 0);

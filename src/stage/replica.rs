@@ -388,6 +388,16 @@ impl Replica {
         let vars = self.stage.params().vars();
         let like: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let params = unflatten(&snap.flat[..n], &like)?;
+        // Check the parameters against the hash the donors announced before anything is
+        // replaced: a bad download never becomes the replica's state.
+        let refs: Vec<&Tensor> = params.iter().collect();
+        let hash = format!("{:016x}", self.stage.params().hash_values(&refs)?);
+        if hash != snap.params_hash {
+            return Err(ModelError::BadInput(format!(
+                "the downloaded parameters hash to {hash}, not the donors' {}",
+                snap.params_hash
+            )));
+        }
         let m = unflatten(&snap.flat[n..2 * n], &like)?;
         let v = unflatten(&snap.flat[2 * n..], &like)?;
         for (var, p) in vars.iter().zip(&params) {

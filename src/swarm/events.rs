@@ -38,6 +38,13 @@ pub enum Event {
         /// Chunks fetched from each donor.
         chunks_per_donor: Vec<usize>,
     },
+    /// A state download failed and is tried again.
+    SyncRetry {
+        /// The stage.
+        stage: usize,
+        /// Why it failed.
+        error: String,
+    },
     /// The peer serves a stage.
     Serving {
         /// The stage.
@@ -139,6 +146,10 @@ impl std::fmt::Display for Event {
             } => write!(
                 f,
                 "synced stage {stage} at step {step} from {donors} donor(s), chunks {chunks_per_donor:?}"
+            ),
+            Event::SyncRetry { stage, error } => write!(
+                f,
+                "cannot download stage {stage}'s state ({error}); trying again"
             ),
             Event::Serving {
                 stage,

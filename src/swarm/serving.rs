@@ -20,6 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// State downloads tried before a peer gives up joining a stage.
+const SYNC_ATTEMPTS: usize = 3;
+
 /// What a peer has while it serves a stage.
 pub(super) struct Serving {
     pub(super) service: Arc<StageService>,
@@ -144,8 +147,29 @@ impl Ctx {
                 &self.net.local_peer_id().to_string(),
             ));
             let len = replica.snapshot_len();
-            let (snap, report) = sync::download(&client, stage_idx, donors, len, &mut rng).await?;
-            replica.restore(&snap)?;
+            // Donors can be busy or leaving: try a few times before giving up (a peer never
+            // serves a state that did not download whole and check out).
+            let mut attempt = 0;
+            let (snap, report) = loop {
+                attempt += 1;
+                let got = sync::download(&client, stage_idx, donors, len, &mut rng).await;
+                match got {
+                    Ok((snap, report)) => match replica.restore(&snap) {
+                        Ok(_) => break (snap, report),
+                        Err(e) if attempt < SYNC_ATTEMPTS => (self.emit)(Event::SyncRetry {
+                            stage: stage_idx,
+                            error: e.to_string(),
+                        }),
+                        Err(e) => return Err(e.into()),
+                    },
+                    Err(e) if attempt < SYNC_ATTEMPTS => (self.emit)(Event::SyncRetry {
+                        stage: stage_idx,
+                        error: e.to_string(),
+                    }),
+                    Err(e) => return Err(e.into()),
+                }
+                tokio::time::sleep(Duration::from_secs(attempt as u64)).await;
+            };
             (self.emit)(Event::Synced {
                 stage: stage_idx,
                 step: snap.step,

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 pub const MAX_HEADER: usize = 64 << 10;
 
 /// The version of this message format.
-pub const MSG_VERSION: u8 = 1;
+pub const MSG_VERSION: u8 = 2;
 
 /// Most tensor frames one message may carry.
 pub const MAX_TENSORS: u8 = 8;
@@ -41,7 +41,14 @@ pub enum Op {
     StateInfo,
     /// No tensors → chunk `chunk.index` of the snapshot of step `chunk.step`, one frame.
     StateChunk,
+    /// No tensors → page `chunk.index` of the chunk hashes of the snapshot of step
+    /// `chunk.step` (at most [`HASH_PAGE`] of them), in `hashes`.
+    StateHashes,
 }
+
+/// Chunk hashes per [`Op::StateHashes`] page: a page stays far below [`MAX_HEADER`], and
+/// the list of a state of any size travels in as many pages as it needs.
+pub const HASH_PAGE: usize = 1024;
 
 /// Messages of the averaging protocol between the replicas of one stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -103,7 +110,8 @@ pub enum AvgMsg {
     },
 }
 
-/// Which snapshot chunk a [`Op::StateChunk`] asks for.
+/// Which snapshot chunk a [`Op::StateChunk`] asks for (or which page of hashes an
+/// [`Op::StateHashes`] does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChunkReq {
@@ -123,8 +131,12 @@ pub struct StateInfo {
     pub len: u64,
     /// Floats per chunk.
     pub chunk: u64,
-    /// xxh3-64 (hex) of each chunk's little-endian f32 bytes.
-    pub hashes: Vec<String>,
+    /// Chunks in the snapshot (`len / chunk`, rounded up); their hashes come in pages
+    /// ([`Op::StateHashes`]).
+    pub chunks: u64,
+    /// The hash of the whole state: xxh3-64 (hex) of the chunk hashes (each the xxh3-64,
+    /// in 16 hex digits, of a chunk's little-endian f32 bytes) in order.
+    pub root: String,
     /// Hash of the parameters (hex).
     pub params_hash: String,
     /// Samples in every step applied so far.
@@ -228,6 +240,9 @@ pub struct Response {
     /// The snapshot offered, for [`Op::StateInfo`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<StateInfo>,
+    /// A page of chunk hashes, for [`Op::StateHashes`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hashes: Option<Vec<String>>,
     /// Tensor frames that follow.
     pub tensors: u8,
 }
@@ -253,6 +268,7 @@ impl Response {
             queue,
             info: None,
             state: None,
+            hashes: None,
             tensors,
         }
     }

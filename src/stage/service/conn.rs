@@ -161,7 +161,9 @@ async fn serve_one(
                 frames: Vec::new(),
             }
         }
-        Op::Avg | Op::StateInfo | Op::StateChunk => extension(shared, peer, req, frames).await,
+        Op::Avg | Op::StateInfo | Op::StateChunk | Op::StateHashes => {
+            extension(shared, peer, req, frames).await
+        }
         Op::Forward | Op::Backward => worker::queue_job(shared, req, frames).await,
     };
     let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
@@ -178,7 +180,7 @@ async fn serve_one(
         Op::StateChunk => {
             c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
         }
-        Op::Info | Op::StateInfo => {}
+        Op::Info | Op::StateInfo | Op::StateHashes => {}
     }
     let t_write = Instant::now();
     let more = respond(stream, &reply).await;
@@ -217,7 +219,7 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
     let want = match req.op {
         Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(req.op == Op::Forward)),
         Op::Backward => 2,
-        Op::Info | Op::StateInfo | Op::StateChunk => 0,
+        Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes => 0,
     };
     if req.tensors != want {
         return Some(refusal(
@@ -244,6 +246,7 @@ async fn extension(shared: &Shared, peer: PeerId, req: Request, frames: Vec<Vec<
             shared.counters.served.fetch_add(1, Ordering::Relaxed);
             let mut header = ok(shared, answer.frames.len() as u8);
             header.state = answer.state;
+            header.hashes = answer.hashes;
             Reply {
                 header,
                 frames: answer.frames,

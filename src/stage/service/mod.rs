@@ -76,6 +76,8 @@ impl Default for ServiceConfig {
 pub struct Answer {
     /// A state download's description.
     pub state: Option<StateInfo>,
+    /// A page of a state's chunk hashes.
+    pub hashes: Option<Vec<String>>,
     /// Tensor frames.
     pub frames: Vec<Vec<u8>>,
 }
