@@ -13,7 +13,7 @@
 //! - [`stage`]: the replica (stage protocol server and client), `shoal status`, `shoal probe`.
 //!   The server answers forward/backward itself and hands averaging and state calls to the
 //!   [`Extension`](stage::service::Extension) the averaging layer registers.
-//! - [`averaging`]: stage averaging: a pure plan (leader, quotas, who is behind or dead),
+//! - [`averaging`]: stage averaging: a pure plan (leader, members, who is behind or dead),
 //!   round bookkeeping, the averager task, its server side, and state download.
 //! - [`trainer`]: trainer loops: stochastic wiring, swap-in, accounting, progress totals.
 //! - [`swarm`]: the peer (`shoal peer`): stage, averager and trainers together, and the

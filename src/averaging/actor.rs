@@ -271,7 +271,7 @@ impl State {
             Decision::Lead {
                 step,
                 members,
-                quotas,
+                held,
                 dead,
                 lost,
             } => {
@@ -286,7 +286,7 @@ impl State {
                     step,
                     attempt,
                     members: members.iter().map(|p| p.to_string()).collect(),
-                    quotas: quotas.clone(),
+                    quotas: held,
                     lost,
                 };
                 for &p in &members {
@@ -294,7 +294,7 @@ impl State {
                         self.send(p, msg.clone(), None);
                     }
                 }
-                self.on_members(step, attempt, members, quotas, lost).await;
+                self.on_members(step, attempt, members, lost).await;
             }
         }
     }
@@ -368,7 +368,7 @@ impl State {
                 self.left_lost = 0;
                 let members: Vec<PeerId> = members.iter().filter_map(|m| m.parse().ok()).collect();
                 if members.len() == quotas.len() {
-                    self.on_members(step, attempt, members, quotas, lost).await;
+                    self.on_members(step, attempt, members, lost).await;
                 }
             }
             AvgMsg::Part {
@@ -396,14 +396,7 @@ impl State {
         }
     }
 
-    async fn on_members(
-        &mut self,
-        step: u64,
-        attempt: u32,
-        members: Vec<PeerId>,
-        quotas: Vec<u64>,
-        lost: u64,
-    ) {
+    async fn on_members(&mut self, step: u64, attempt: u32, members: Vec<PeerId>, lost: u64) {
         let st = self.status();
         if step != st.params_step {
             self.debug(|| {
@@ -420,8 +413,7 @@ impl State {
         if self.round.as_ref().map(Round::key) == Some((step, attempt)) {
             return;
         }
-        let quota = quotas.get(index).copied().unwrap_or(u64::MAX);
-        let Ok(frozen) = self.service.freeze(step, quota) else {
+        let Ok(frozen) = self.service.freeze(step) else {
             self.debug(|| format!("freeze {step} failed"));
             return;
         };

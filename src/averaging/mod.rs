@@ -1,7 +1,7 @@
 //! Stage averaging: the replicas of a stage agree on a step, average their gradients with
 //! a butterfly all-reduce, and apply the same update, so they stay bit-identical.
 //!
-//! - [`plan`]: the pure decisions (who leads, who is behind, who died, the quotas).
+//! - [`plan`]: the pure decisions (who leads, who is behind, who died).
 //! - [`round`]: one round's bookkeeping (parts in, reduced parts in, completion).
 //! - [`reduce`]: the pure arithmetic (how the flat gradient is cut, how a part is reduced).
 //! - `actor`: the averager task of one replica (messages in and out, rounds run).
@@ -15,12 +15,12 @@
 //! 2. The leader, the live replica with the smallest peer id among those at its step, sees
 //!    when the samples accumulated for the step reach `target_batch_size` and sends
 //!    `Members` (the sorted member list, and samples lost with replicas that died).
-//! 3. Each member freezes its oldest microbatches up to its quota (the leader splits the
-//!    target batch fairly over the members' pending samples), cuts their sum into one part
-//!    per member and sends part i to member i (`Part`, in the run's gradient codec). Later
-//!    backward passes, and microbatches beyond the quota, count toward the next step, so a
-//!    gradient is usually one step stale; when twice the target is waiting the round takes
-//!    everything to catch up, and a gradient can then be two or more steps stale.
+//! 3. Each member freezes the sum it accumulated for the step (one running sum per stage,
+//!    not one copy per microbatch: memory does not grow with the microbatches of a step),
+//!    cuts it into one part per member and sends part i to member i (`Part`, in the run's
+//!    gradient codec). Later backward passes count toward the next step, so a gradient is
+//!    at most one step stale; a step holds at least the target batch, and more when
+//!    microbatches arrive while the round forms (averaging weighs every sample the same).
 //! 4. Member i sums the parts and divides by the total sample count, encodes the result in
 //!    the gradient codec, decodes it again — what every member will apply, itself included
 //!    — and sends it to all (`Reduced`).

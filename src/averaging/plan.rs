@@ -1,7 +1,6 @@
 //! The averager's decisions, as pure functions of what a replica knows (its own status and
 //! the progress it heard from the others), the time and the config: whether it is behind
-//! and must download state, whether it leads a round now, and how the round's target batch
-//! is split over the members. No sockets, no clock reads: tests drive them with made-up
+//! and must download state, and whether it leads a round now (with whom). No sockets, no clock reads: tests drive them with made-up
 //! views and instants.
 
 use super::AveragerConfig;
@@ -90,8 +89,9 @@ pub enum Decision {
         step: u64,
         /// The members, sorted (this replica among them).
         members: Vec<PeerId>,
-        /// Samples each member contributes, in `members` order.
-        quotas: Vec<u64>,
+        /// Samples each member held toward the step as last heard, in `members` order
+        /// (each contributes everything it holds when it freezes).
+        held: Vec<u64>,
         /// Replicas gone silent at or before this step: forget them.
         dead: Vec<PeerId>,
         /// Samples the dead held, lost with them.
@@ -116,25 +116,6 @@ pub fn leader(me: PeerId, same: &[(PeerId, &View)]) -> PeerId {
         .chain(std::iter::once(me))
         .min()
         .unwrap_or(me)
-}
-
-/// Splits a round's samples over members holding `pending` samples each: the target batch
-/// (everything, when twice the target is waiting, to catch up), smallest holder first, each
-/// taking at most an equal share of what is left, so no replica's samples wait behind
-/// another's. The quotas sum to `min(pending total, that amount)`.
-pub fn quotas(pending: &[u64], target: u64) -> Vec<u64> {
-    let target = target.max(1);
-    let total: u64 = pending.iter().sum();
-    let mut left = if total >= 2 * target { total } else { target };
-    let mut order: Vec<usize> = (0..pending.len()).collect();
-    order.sort_by_key(|&i| pending[i]);
-    let mut out = vec![0u64; pending.len()];
-    for (k, &i) in order.iter().enumerate() {
-        let share = left.div_ceil((pending.len() - k) as u64);
-        out[i] = pending[i].min(share);
-        left -= out[i];
-    }
-    out
 }
 
 /// Decides what the averager does on this tick (no round in progress).
@@ -223,12 +204,11 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     let mut members: Vec<(PeerId, u64)> = same.iter().map(|(p, v)| (*p, v.pending_at(s))).collect();
     members.push((input.me, mine.pending_at(s)));
     members.sort_by_key(|(p, _)| *p);
-    let pending: Vec<u64> = members.iter().map(|(_, n)| *n).collect();
     (
         Decision::Lead {
             step: s,
+            held: members.iter().map(|(_, n)| *n).collect(),
             members: members.into_iter().map(|(p, _)| p).collect(),
-            quotas: quotas(&pending, cfg.target),
             dead,
             lost,
         },

@@ -92,13 +92,13 @@ fn the_smallest_live_peer_at_the_step_leads() {
         Decision::Lead {
             step,
             members,
-            quotas,
+            held,
             dead,
             lost,
         } => {
             assert_eq!(step, 7);
             assert_eq!(members, vec![p[2], p[3]]);
-            assert_eq!(quotas.iter().sum::<u64>(), 32);
+            assert_eq!(held, vec![20, 20]);
             assert_eq!(dead, vec![p[1]]);
             assert_eq!(lost, 5);
         }
@@ -108,31 +108,6 @@ fn the_smallest_live_peer_at_the_step_leads() {
     let mut follower = World::new(p[3], view(7, 20, "h", now), t0);
     follower.hear(p[2], view(7, 20, "h", now));
     assert_eq!(follower.decide(now, &c), Decision::Wait);
-}
-
-#[test]
-fn quotas_take_the_target_fairly_and_everything_when_far_behind() {
-    assert_eq!(quotas(&[10, 30], 32), vec![10, 22]);
-    assert_eq!(quotas(&[16, 16], 32), vec![16, 16]);
-    assert_eq!(quotas(&[40, 20], 32), vec![16, 16]);
-    // Twice the target waiting: take all of it.
-    assert_eq!(quotas(&[40, 30], 16), vec![40, 30]);
-    assert_eq!(quotas(&[], 8), Vec::<u64>::new());
-    let mut rng = crate::rng::Rng::new(7);
-    for _ in 0..2_000 {
-        let n = 1 + rng.below(6) as usize;
-        let target = 1 + rng.below(64);
-        let pending: Vec<u64> = (0..n).map(|_| rng.below(80)).collect();
-        let total: u64 = pending.iter().sum();
-        let q = quotas(&pending, target);
-        let want = if total >= 2 * target {
-            total
-        } else {
-            total.min(target)
-        };
-        assert_eq!(q.iter().sum::<u64>(), want, "{pending:?} target {target}");
-        assert!(q.iter().zip(&pending).all(|(a, b)| a <= b));
-    }
 }
 
 #[test]

@@ -27,8 +27,9 @@ const SEEN_CAP: usize = 1 << 16;
 pub struct Frozen {
     /// The step the sum belongs to.
     pub step: u64,
-    /// Σ over microbatches of (samples × mean gradient), flattened in parameter order.
-    pub sum: Vec<f32>,
+    /// Σ over microbatches of (samples × mean gradient), flattened in parameter order
+    /// (shared: a retried round reuses it without a copy).
+    pub sum: Arc<Vec<f32>>,
     /// Samples in the sum.
     pub count: u64,
 }
@@ -289,20 +290,16 @@ impl Replica {
             .iter()
             .map(|t| t.affine(n as f64, 0.0))
             .collect::<candle_core::Result<_>>()?;
-        let mut a = self.acc();
-        a.pending.push_back((n, weighted));
-        a.count += n;
+        self.acc().add(n, weighted)?;
         Ok((g, true))
     }
 
     /// Freezes the gradients of step `step` (the current `params_step`) and returns their
-    /// sum: the oldest microbatches, up to `quota` samples (at least one microbatch); the
-    /// rest waits for the next step, so a step holds the target batch, not whatever arrived
-    /// while the round was forming. Repeated calls for the same step return the same sum
-    /// (for retried rounds).
-    pub fn freeze(&mut self, step: u64, quota: u64) -> Result<Frozen, ModelError> {
+    /// sum: everything accumulated so far; later backward passes count toward the next
+    /// step. Repeated calls for the same step return the same sum (for retried rounds).
+    pub fn freeze(&mut self, step: u64) -> Result<Frozen, ModelError> {
         let numel = self.numel;
-        self.acc().freeze(step, quota, numel)
+        self.acc().freeze(step, numel)
     }
 
     /// Applies the averaged gradient of step `step`, which held `samples` samples; `lost`
@@ -413,7 +410,7 @@ impl Replica {
         let dropped = {
             let mut a = self.acc();
             let d = a.count + a.frozen.as_ref().map_or(0, |f| f.count);
-            a.pending.clear();
+            a.sum = None;
             a.count = 0;
             a.frozen = None;
             a.params_step = snap.step;
@@ -424,11 +421,12 @@ impl Replica {
     }
 }
 
-/// Gradients waiting for their step: per-microbatch sums in arrival order, the sum frozen
-/// for the round in progress, and the microbatch ids already taken.
+/// Gradients waiting for their step: one running sum per parameter (so memory does not
+/// grow with the microbatches of a step), the sum frozen for the round in progress, and the
+/// microbatch ids already taken (each is accumulated at most once).
 #[derive(Default)]
 pub struct Accum {
-    pending: VecDeque<(u64, Vec<Tensor>)>,
+    sum: Option<Vec<Tensor>>,
     count: u64,
     frozen: Option<Frozen>,
     params_step: u64,
@@ -437,6 +435,21 @@ pub struct Accum {
 }
 
 impl Accum {
+    /// Adds a microbatch's `samples × mean gradient` (one tensor per parameter).
+    fn add(&mut self, samples: u64, weighted: Vec<Tensor>) -> Result<(), ModelError> {
+        let sum = match &self.sum {
+            None => weighted,
+            Some(acc) => acc
+                .iter()
+                .zip(&weighted)
+                .map(|(a, b)| a + b)
+                .collect::<candle_core::Result<_>>()?,
+        };
+        self.sum = Some(sum);
+        self.count += samples;
+        Ok(())
+    }
+
     /// (accum_step, pending samples, frozen samples).
     pub fn counts(&self) -> (u64, u64, u64) {
         (
@@ -468,7 +481,7 @@ impl Accum {
     }
 
     /// See [`Replica::freeze`].
-    pub fn freeze(&mut self, step: u64, quota: u64, numel: usize) -> Result<Frozen, ModelError> {
+    pub fn freeze(&mut self, step: u64, numel: usize) -> Result<Frozen, ModelError> {
         if step != self.params_step {
             return Err(ModelError::BadInput(format!(
                 "cannot freeze step {step} at step {}",
@@ -480,35 +493,20 @@ impl Accum {
                 return Ok(f.clone());
             }
         }
-        let mut taken: Option<Vec<Tensor>> = None;
-        let mut count = 0;
-        while let Some((n, _)) = self.pending.front() {
-            if quota == 0 || (count > 0 && count + n > quota) {
-                break;
-            }
-            let Some((n, g)) = self.pending.pop_front() else {
-                break;
-            };
-            count += n;
-            taken = Some(match taken {
-                None => g,
-                Some(acc) => acc
-                    .iter()
-                    .zip(&g)
-                    .map(|(a, b)| a + b)
-                    .collect::<candle_core::Result<_>>()?,
-            });
-            if count >= quota {
-                break;
-            }
-        }
-        let sum = match taken {
+        let sum = match self.sum.take() {
             Some(acc) => flatten(&acc)?,
             None => vec![0.0; numel],
         };
-        let f = Frozen { step, sum, count };
-        self.count -= count;
+        let f = Frozen {
+            step,
+            sum: Arc::new(sum),
+            count: std::mem::take(&mut self.count),
+        };
         self.frozen = Some(f.clone());
         Ok(f)
     }
 }
+
+#[cfg(test)]
+#[path = "replica_tests.rs"]
+mod tests;

@@ -82,8 +82,8 @@ pub enum AvgMsg {
         attempt: u32,
         /// Peer ids, sorted.
         members: Vec<String>,
-        /// Samples each member freezes for the step (its oldest microbatches), aligned
-        /// with `members`; together the target batch.
+        /// Samples the leader saw each member hold toward the step, aligned with
+        /// `members` (each member freezes and contributes everything it holds).
         quotas: Vec<u64>,
         /// Samples of replicas that died holding gradients of this step (lost).
         lost: u64,

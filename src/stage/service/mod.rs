@@ -284,9 +284,10 @@ impl StageService {
         lock(&self.shared.status).clone()
     }
 
-    /// Freezes step `step`'s gradients (up to `quota` samples) without waiting for compute.
-    pub fn freeze(&self, step: u64, quota: u64) -> Result<Frozen, ModelError> {
-        let f = lock(&self.shared.accum).freeze(step, quota, self.shared.numel)?;
+    /// Freezes step `step`'s gradients (all accumulated so far) without waiting for
+    /// compute.
+    pub fn freeze(&self, step: u64) -> Result<Frozen, ModelError> {
+        let f = lock(&self.shared.accum).freeze(step, self.shared.numel)?;
         let (accum_step, count, frozen) = lock(&self.shared.accum).counts();
         let mut st = lock(&self.shared.status);
         st.accum_step = accum_step;
