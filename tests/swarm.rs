@@ -630,3 +630,65 @@ async fn a_trained_state_of_more_chunks_than_one_header_holds_is_downloaded_whol
         started.elapsed().as_secs_f64()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rounds_whose_parts_cross_a_slow_link_complete() {
+    let _g = SERIAL.lock().await;
+    let mut cfg = RunConfig::tiny();
+    // ~0.8M parameters: 0.8 MB of int8 gradient, which one replica's 4 Mbit/s uplink needs
+    // ~1.6 s to send in a round (its part and its reduced part), past the 1 s floor.
+    cfg.model.d_model = 128;
+    cfg.stages.count = 1;
+    cfg.stages.kind = shoal::config::StageKind::Sim;
+    cfg.stages.sim_ms_per_sample = Some(0.5);
+    // Sim gradients are zeros: without zstd their bytes still cross the link.
+    cfg.codecs.gradients = shoal::wire::CodecSpec::INT8;
+    cfg.training.target_batch_size = Some(cfg.training.batch_size);
+    cfg.training.steps = 1_000;
+    cfg.averaging.round_timeout_s = Some(1.0);
+    cfg.validate().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (m, path) = manifest_file(&dir, &cfg);
+    let mut fast = pc(RunSource::File(path), vec![], StageChoice::Index(0));
+    fast.allow_sim = true;
+    let fast = start(fast).await;
+    let addr = fast.addrs()[0].clone();
+    // The slow replica joins second: it downloads the state over its fast downlink.
+    let mut slow = pc(
+        RunSource::Id(m.id.clone()),
+        vec![addr.clone()],
+        StageChoice::Index(0),
+    );
+    slow.allow_sim = true;
+    slow.net.link =
+        Some(shoal::net::link::LinkSpec::parse("up=4mbit,down=1000mbit,rtt=10ms").unwrap());
+    let slow = start(slow).await;
+    let t = trainers_for(&m, &addr, 1, 8).await;
+    let t0 = Instant::now();
+    let step = |p: &Peer| p.service().unwrap().step();
+    while step(&fast).min(step(&slow)) < 5 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(150),
+            "steps stalled at {} / {} (failed attempts {} / {})",
+            step(&fast),
+            step(&slow),
+            fast.avg_stats().unwrap().failed_attempts.load(Relaxed),
+            slow.avg_stats().unwrap().failed_attempts.load(Relaxed)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (f, s) = (fast.avg_stats().unwrap(), slow.avg_stats().unwrap());
+    let uplink = s.uplink.load(Relaxed);
+    let failed = f.failed_attempts.load(Relaxed) + s.failed_attempts.load(Relaxed);
+    eprintln!(
+        "5 steps in {:.1} s; slow uplink measured {:.0} KB/s; failed attempts {failed}",
+        t0.elapsed().as_secs_f64(),
+        uplink as f64 / 1e3
+    );
+    // The slow replica measured its link (4 Mbit/s is 500 KB/s; sends share it)...
+    assert!(uplink > 50_000 && uplink < 1_000_000, "uplink {uplink} B/s");
+    // ...and, told it, rounds allow for it: at most the first attempt (before anything was
+    // measured) times out on each member.
+    assert!(failed <= 2, "{failed} attempts timed out");
+    wait_trainers(&t, Duration::from_secs(120)).await;
+}

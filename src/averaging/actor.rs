@@ -37,13 +37,30 @@ pub(super) struct Outgoing {
     frame: Option<Vec<u8>>,
 }
 
-/// Sends the outbox's messages, at most [`SENDS_IN_FLIGHT`] at once; ends when the
-/// averager drops its side.
-pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver<Outgoing>) {
+/// Frames at least this long time the uplink (shorter ones mostly time the round trip).
+const MEASURED_FRAME: usize = 64 << 10;
+
+/// Folds a measured rate into the moving average in `avg` (bytes/s).
+fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
+    let rate = (bytes as f64 / took.as_secs_f64().max(1e-6)) as u64;
+    let old = avg.load(Ordering::Relaxed);
+    let new = if old == 0 { rate } else { (3 * old + rate) / 4 };
+    avg.store(new.max(1), Ordering::Relaxed);
+}
+
+/// Sends the outbox's messages, at most [`SENDS_IN_FLIGHT`] at once, timing the big ones
+/// (the uplink rate in `stats`); ends when the averager drops its side.
+pub(super) async fn sender(
+    client: StageClient,
+    stage: usize,
+    rx: mpsc::Receiver<Outgoing>,
+    stats: Arc<AvgStats>,
+) {
     let debug = std::env::var_os("SHOAL_DEBUG_AVG").is_some();
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
         .for_each_concurrent(SENDS_IN_FLIGHT, |o| {
             let client = client.clone();
+            let stats = Arc::clone(&stats);
             async move {
                 // Progress is repeated by the heartbeat anyway; round messages are retried,
                 // since a lost part stalls the round until its deadline.
@@ -52,12 +69,19 @@ pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver
                 } else {
                     4
                 };
+                let bytes = o.frame.as_ref().map_or(0, Vec::len);
                 for i in 0..tries {
+                    let t0 = Instant::now();
                     match client
                         .send_avg(o.peer, stage, o.msg.clone(), o.frame.clone())
                         .await
                     {
-                        Ok(()) => return,
+                        Ok(()) => {
+                            if bytes >= MEASURED_FRAME {
+                                fold_rate(&stats.uplink, bytes, t0.elapsed());
+                            }
+                            return;
+                        }
                         // A part for a round that is over: sending it again cannot help.
                         Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return,
                         Err(e) => {
@@ -81,6 +105,8 @@ pub(super) struct State {
     pub(super) me: PeerId,
     pub(super) stage: usize,
     pub(super) n: usize,
+    /// Bytes of the stage's whole gradient in the gradient codec (at most).
+    pub(super) gradient_bytes: u64,
     pub(super) cfg: AveragerConfig,
     pub(super) client: StageClient,
     pub(super) service: Arc<StageService>,
@@ -218,6 +244,7 @@ impl State {
                 count: st.accum_count,
                 frozen: st.frozen_count,
                 hash: st.params_hash.clone(),
+                uplink: self.stats.uplink.load(Ordering::Relaxed),
             };
             for p in self.others() {
                 self.send(p, msg.clone(), None);
@@ -341,6 +368,7 @@ impl State {
                 count,
                 frozen,
                 hash,
+                uplink,
             } => {
                 self.views.insert(
                     from,
@@ -350,6 +378,7 @@ impl State {
                         count,
                         frozen,
                         hash,
+                        uplink,
                         at: Instant::now(),
                     },
                 );
@@ -418,13 +447,26 @@ impl State {
             return;
         };
         let key: Key = (step, attempt);
+        let uplinks: Vec<u64> = members
+            .iter()
+            .map(|m| match self.views.get(m) {
+                Some(v) => v.uplink,
+                None => self.stats.uplink.load(Ordering::Relaxed),
+            })
+            .collect();
+        let timeout = plan::round_timeout(
+            self.cfg.round_timeout,
+            self.gradient_bytes,
+            members.len(),
+            &uplinks,
+        );
         self.round = Some(Round {
             step,
             attempt,
             members: members.clone(),
             index,
             lost,
-            deadline: Instant::now() + self.cfg.round_timeout,
+            deadline: Instant::now() + timeout,
             reduced_sent: false,
             started: Instant::now(),
         });

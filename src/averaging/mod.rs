@@ -66,7 +66,8 @@ pub struct AveragerConfig {
     pub heartbeat: Duration,
     /// A replica whose progress is older than this is not live.
     pub live_timeout: Duration,
-    /// A round attempt not finished by then is abandoned.
+    /// A round attempt is abandoned after at least this long; longer when the members'
+    /// measured uplinks say its bytes need it ([`plan::round_timeout`]).
     pub round_timeout: Duration,
     /// How often the stage's replicas are re-read from the DHT.
     pub membership_every: Duration,
@@ -136,6 +137,8 @@ pub struct AvgStats {
     pub raw_bytes: AtomicU64,
     /// State downloads after falling behind.
     pub resyncs: AtomicU64,
+    /// The measured uplink for averaging parts, bytes/s (a moving average; 0: not yet).
+    pub uplink: AtomicU64,
     /// Microseconds from freezing to applying, summed over rounds.
     pub round_us: AtomicU64,
     /// Messages not sent because the outbox was full.
@@ -179,11 +182,17 @@ impl Averager {
         )));
         let stats = Arc::new(AvgStats::default());
         let (out_tx, out_rx) = mpsc::channel(actor::OUTBOX);
-        tokio::spawn(actor::sender(client.clone(), service.stage(), out_rx));
+        tokio::spawn(actor::sender(
+            client.clone(),
+            service.stage(),
+            out_rx,
+            Arc::clone(&stats),
+        ));
         let st = actor::State {
             me: client.local_peer_id(),
             stage: service.stage(),
             n: service.numel(),
+            gradient_bytes: part_bytes as u64,
             cfg,
             client,
             service,

@@ -22,6 +22,8 @@ pub struct View {
     pub frozen: u64,
     /// Parameter hash.
     pub hash: String,
+    /// Its measured uplink for averaging parts, bytes/s (0: unknown).
+    pub uplink: u64,
     /// When it was heard.
     pub at: Instant,
 }
@@ -35,6 +37,7 @@ impl View {
             count: st.accum_count,
             frozen: st.frozen_count,
             hash: st.params_hash.clone(),
+            uplink: 0,
             at,
         }
     }
@@ -116,6 +119,24 @@ pub fn leader(me: PeerId, same: &[(PeerId, &View)]) -> PeerId {
         .chain(std::iter::once(me))
         .min()
         .unwrap_or(me)
+}
+
+/// How long a round of `members` members may take: four times the bytes each member
+/// moves (its parts to the others and its reduced part to them: about 2(k−1)/k of the
+/// encoded gradient of `gradient_bytes`) over the slowest measured uplink among them
+/// (`0`: not measured), and never less than `floor`.
+pub fn round_timeout(
+    floor: Duration,
+    gradient_bytes: u64,
+    members: usize,
+    uplinks: &[u64],
+) -> Duration {
+    let k = members.max(1) as f64;
+    let moved = 2.0 * (k - 1.0) / k * gradient_bytes as f64;
+    match uplinks.iter().copied().filter(|&u| u > 0).min() {
+        Some(slowest) => floor.max(Duration::from_secs_f64(4.0 * moved / slowest as f64)),
+        None => floor,
+    }
 }
 
 /// Decides what the averager does on this tick (no round in progress).

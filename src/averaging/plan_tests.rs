@@ -21,6 +21,7 @@ fn view(step: u64, count: u64, hash: &str, at: Instant) -> View {
         count,
         frozen: 0,
         hash: hash.into(),
+        uplink: 0,
         at,
     }
 }
@@ -192,4 +193,17 @@ fn at_start_the_leader_waits_to_hear_every_known_replica() {
         w.decide(t0 + c.live_timeout, &c),
         Decision::Lead { .. }
     ));
+}
+
+#[test]
+fn round_timeouts_follow_the_slowest_measured_link() {
+    let floor = Duration::from_secs(5);
+    // 100 MB of gradient, two members: each moves 100 MB; at 1 MB/s that is 400 s.
+    let t = round_timeout(floor, 100_000_000, 2, &[0, 1_000_000, 50_000_000]);
+    assert_eq!(t, Duration::from_secs(400));
+    // Fast links, or nothing measured yet: the floor.
+    assert_eq!(round_timeout(floor, 1_000_000, 4, &[1_000_000_000]), floor);
+    assert_eq!(round_timeout(floor, 100_000_000, 2, &[0, 0]), floor);
+    // A round of one moves nothing.
+    assert_eq!(round_timeout(floor, 100_000_000, 1, &[1]), floor);
 }

@@ -72,6 +72,10 @@ pub enum AvgMsg {
         frozen: u64,
         /// Parameter hash (hex).
         hash: String,
+        /// The sender's measured uplink for averaging parts, bytes/s (0: not measured
+        /// yet); rounds with it allow for the slowest member's link.
+        #[serde(default)]
+        uplink: u64,
     },
     /// From the round's leader: the members of an attempt at averaging `step`, in the order
     /// that assigns each its part.
