@@ -687,8 +687,9 @@ async fn rounds_whose_parts_cross_a_slow_link_complete() {
     );
     // The slow replica measured its link (4 Mbit/s is 500 KB/s; sends share it)...
     assert!(uplink > 50_000 && uplink < 1_000_000, "uplink {uplink} B/s");
-    // ...and, told it, rounds allow for it: at most the first attempt (before anything was
-    // measured) times out on each member.
-    assert!(failed <= 2, "{failed} attempts timed out");
+    // ...and, told it, rounds allow for it: only attempts that started before the first
+    // part send finished (nothing measured yet) time out, a few at most. (With a fixed
+    // timeout the same swarm stalls at step 1 with hundreds of failed attempts.)
+    assert!(failed <= 6, "{failed} attempts timed out");
     wait_trainers(&t, Duration::from_secs(120)).await;
 }

@@ -252,11 +252,10 @@ pub async fn download(
     let mut done = 0;
     // A second pass over the donors still standing picks up chunks given back late.
     for _ in 0..2 {
-        join_all(donors.iter().enumerate().flat_map(|(k, &d)| {
-            let work = &work;
-            (0..PER_DONOR).map(move |_| work.worker(client, stage, k, d))
-        }))
-        .await;
+        // Workers in turn across donors (w0 of every donor, then w1, ...): each takes its
+        // first chunk when first polled, so even a state of few chunks spreads over donors.
+        let order = (0..PER_DONOR).flat_map(|_| donors.iter().copied().enumerate());
+        join_all(order.map(|(k, d)| work.worker(client, stage, k, d))).await;
         done = work.served.iter().map(|s| *lock(s)).sum::<usize>();
         if done == n {
             break;
