@@ -5,7 +5,7 @@
 use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
 use anyhow::{Context, Result};
 use shoal::stage::client::StageClient;
-use shoal::swarm::events::Event;
+use shoal::swarm::events::{peak_rss_bytes, Event};
 use shoal::swarm::peer::{Peer, PeerConfig};
 use shoal::trainer::report::Progress;
 use shoal::trainer::TrainerStats;
@@ -145,6 +145,17 @@ impl Trainers {
     }
 }
 
+/// The replica's counters, its averager's and the process's peak memory, when serving.
+fn counters(peer: &Peer) -> Option<Event> {
+    let s = peer.service()?;
+    Some(Event::Counters {
+        stage: s.stage(),
+        counters: s.counters().snapshot(),
+        averaging: peer.avg_stats().map(|a| a.snapshot()),
+        peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+    })
+}
+
 /// `shoal peer`.
 pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     let out = Out::new(&a.events)?;
@@ -176,11 +187,8 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
                 _ = tokio::time::sleep(tick) => {}
             }
             if counters_every.is_some() {
-                if let Some(s) = peer.service() {
-                    out.emit(Event::Counters {
-                        stage: s.stage(),
-                        counters: s.counters().snapshot(),
-                    });
+                if let Some(e) = counters(&peer) {
+                    out.emit(e);
                 }
             }
             if !trainers.stats.is_empty() && reported.elapsed() >= report_every {
@@ -192,12 +200,16 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
             }
         }
         out.emit(Event::Stopping);
+        let last = counters(&peer);
         let service = peer.service();
         peer.stop().await?;
-        if let Some(s) = service {
+        // The counters once more, with what stopping finished.
+        if let (Some(s), Some(Event::Counters { averaging, .. })) = (service, last) {
             out.emit(Event::Counters {
                 stage: s.stage(),
                 counters: s.counters().snapshot(),
+                averaging,
+                peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
             });
         }
         out.emit(Event::Stopped);

@@ -52,6 +52,10 @@ fn homogeneous_scenario_completes_with_a_sane_bound() {
     // No swarm beats its bound (beyond the measuring window's error).
     assert!(eff > 0.0 && eff < 1.1, "efficiency {eff}");
     assert!(f("bytes_per_sample") > 0.0);
+    // Replicas report their peak memory (Linux): a peer is more than a few MiB.
+    if cfg!(target_os = "linux") {
+        assert!(f("peak_rss_mib") > 4.0, "{r}");
+    }
     // Trainers are stopped gracefully: every sample fed is completed or reported failed.
     assert_eq!(r["vanished"], 0, "{r}");
 }

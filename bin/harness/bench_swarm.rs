@@ -105,12 +105,31 @@ fn drain(trainers: &mut [Proc], last: &mut [Progress], why: &mut Vec<String>) {
 /// their values.
 type Readings = std::collections::HashMap<String, (usize, Instant, StageTimes)>;
 
+/// What the replicas' counter reports tell beside their times.
+#[derive(Default)]
+struct Seen {
+    /// The highest peak resident memory any replica reported, bytes.
+    peak_rss: u64,
+}
+
 /// Reads the counters the replicas report every `--counters-ms` into `latest`, and each
 /// replica's first reading into `first` (their other events are consumed and dropped).
-fn read_counters(peers: &mut [(usize, Proc)], latest: &mut Readings, first: &mut Readings) {
+fn read_counters(
+    peers: &mut [(usize, Proc)],
+    latest: &mut Readings,
+    first: &mut Readings,
+    seen: &mut Seen,
+) {
     for (_, p) in peers.iter_mut() {
         for e in p.drain() {
-            if let Event::Counters { stage, counters } = e {
+            if let Event::Counters {
+                stage,
+                counters,
+                peak_rss_bytes,
+                ..
+            } = e
+            {
+                seen.peak_rss = seen.peak_rss.max(peak_rss_bytes);
                 let r = (stage, Instant::now(), StageTimes::of(&counters));
                 first.entry(p.name.clone()).or_insert_with(|| r.clone());
                 latest.insert(p.name.clone(), r);
@@ -211,6 +230,7 @@ fn run_in(
     let end = warm_end + Duration::from_secs_f64(seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
     let (mut latest, mut first) = (Readings::new(), Readings::new());
+    let mut seen = Seen::default();
     let mut warm_readings = Readings::new();
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
@@ -218,7 +238,7 @@ fn run_in(
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
-        read_counters(&mut peers, &mut latest, &mut first);
+        read_counters(&mut peers, &mut latest, &mut first, &mut seen);
         let now = Instant::now();
         if at_warm.is_none() && now >= warm_end {
             at_warm = Some((now, Progress::sum(&last)));
@@ -264,7 +284,7 @@ fn run_in(
         }
     }
     drain(&mut trainers, &mut last, &mut why);
-    read_counters(&mut peers, &mut latest, &mut first);
+    read_counters(&mut peers, &mut latest, &mut first, &mut seen);
     let end_readings = latest.clone();
     let fin = Progress::sum(&last);
     let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
@@ -337,5 +357,6 @@ fn run_in(
         swaps: end_p.swaps,
         stages,
         focus,
+        peak_rss_mib: seen.peak_rss as f64 / (1 << 20) as f64,
     })
 }

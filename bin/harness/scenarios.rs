@@ -94,6 +94,8 @@ pub struct Row {
     pub stages: Vec<StageTimes>,
     /// The stage whose breakdown explains the row (the bottleneck, or the slowest).
     pub focus: usize,
+    /// The highest peak resident memory a replica reported, MiB (0: unknown).
+    pub peak_rss_mib: f64,
 }
 
 /// Where a stage's replicas spent their time, summed over replicas.
@@ -224,6 +226,7 @@ impl Row {
             "killed": self.killed,
             "swaps": self.swaps,
             "focus_stage": self.focus,
+            "peak_rss_mib": self.peak_rss_mib,
             "stages": self.stages.iter().map(|t| t.to_json()).collect::<Vec<_>>(),
         })
     }

@@ -568,6 +568,8 @@ impl State {
             self.stats
                 .round_us
                 .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+            self.stats
+                .record_round(started.elapsed().as_secs_f64() * 1e3);
         }
         self.service.refresh_status().await;
     }

@@ -124,6 +124,57 @@ impl AveragerConfig {
     }
 }
 
+/// Round durations kept in [`AvgStats::recent_rounds_ms`].
+const RECENT_ROUNDS: usize = 256;
+
+/// A copy of an averager's counters, as a peer reports them.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AvgSnapshot {
+    /// Steps applied through rounds.
+    pub rounds: u64,
+    /// Attempts abandoned at their deadline.
+    pub failed_attempts: u64,
+    /// Part and reduced-part bytes sent.
+    pub bytes_sent: u64,
+    /// State downloads after falling behind.
+    pub resyncs: u64,
+    /// Measured uplink for parts, bytes/s (0: not yet).
+    pub uplink: u64,
+    /// Milliseconds of the latest rounds, oldest first.
+    pub recent_rounds_ms: Vec<f64>,
+}
+
+impl AvgStats {
+    /// Records a round that took `ms` milliseconds.
+    pub fn record_round(&self, ms: f64) {
+        let mut r = self
+            .recent_rounds_ms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        r.push_back(ms);
+        while r.len() > RECENT_ROUNDS {
+            r.pop_front();
+        }
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> AvgSnapshot {
+        let g = |a: &AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        AvgSnapshot {
+            rounds: g(&self.rounds),
+            failed_attempts: g(&self.failed_attempts),
+            bytes_sent: g(&self.bytes_sent),
+            resyncs: g(&self.resyncs),
+            uplink: g(&self.uplink),
+            recent_rounds_ms: self
+                .recent_rounds_ms
+                .lock()
+                .map(|r| r.iter().copied().collect())
+                .unwrap_or_default(),
+        }
+    }
+}
+
 /// Counters of one averager.
 #[derive(Debug, Default)]
 pub struct AvgStats {
@@ -143,6 +194,8 @@ pub struct AvgStats {
     pub round_us: AtomicU64,
     /// Messages not sent because the outbox was full.
     pub dropped_sends: AtomicU64,
+    /// Milliseconds of the latest rounds (freeze to apply), oldest first.
+    pub recent_rounds_ms: std::sync::Mutex<std::collections::VecDeque<f64>>,
     /// Why the last state download failed, if it did.
     pub last_error: std::sync::Mutex<Option<String>>,
 }

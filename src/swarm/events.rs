@@ -3,6 +3,7 @@
 //! as one JSON object per line with `--events` (the status stream a harness or monitor
 //! reads) and show it to people through its `Display`. Nothing reads the printed text.
 
+use crate::averaging::AvgSnapshot;
 use crate::stage::service::CounterSnapshot;
 use crate::trainer::report::Progress;
 use serde::{Deserialize, Serialize};
@@ -37,6 +38,12 @@ pub enum Event {
         donors: usize,
         /// Chunks fetched from each donor.
         chunks_per_donor: Vec<usize>,
+        /// Bytes of state downloaded.
+        #[serde(default)]
+        bytes: u64,
+        /// Seconds the download took (retries included).
+        #[serde(default)]
+        seconds: f64,
     },
     /// A state download failed and is tried again.
     SyncRetry {
@@ -106,6 +113,12 @@ pub enum Event {
         stage: usize,
         /// The counters.
         counters: CounterSnapshot,
+        /// The averager's counters, when it runs.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        averaging: Option<AvgSnapshot>,
+        /// The process's peak resident memory so far, bytes (0 where unknown).
+        #[serde(default)]
+        peak_rss_bytes: u64,
     },
     /// The trainer loops' totals.
     Progress {
@@ -143,9 +156,12 @@ impl std::fmt::Display for Event {
                 step,
                 donors,
                 chunks_per_donor,
+                bytes,
+                seconds,
             } => write!(
                 f,
-                "synced stage {stage} at step {step} from {donors} donor(s), chunks {chunks_per_donor:?}"
+                "synced stage {stage} at step {step} from {donors} donor(s), chunks {chunks_per_donor:?}, {:.1} MB in {seconds:.1} s",
+                *bytes as f64 / 1e6
             ),
             Event::SyncRetry { stage, error } => write!(
                 f,
@@ -184,7 +200,16 @@ impl std::fmt::Display for Event {
                 f,
                 "cannot serve stage {stage} again: {error}; serving nothing"
             ),
-            Event::Counters { stage, counters } => write!(f, "stage {stage} {counters}"),
+            Event::Counters {
+                stage,
+                counters,
+                peak_rss_bytes,
+                ..
+            } => write!(
+                f,
+                "stage {stage} {counters} peak_rss_mb {:.1}",
+                *peak_rss_bytes as f64 / 1e6
+            ),
             Event::Progress { progress, seconds } => write!(f, "{progress}  ({seconds:.0} s)"),
             Event::Done { progress } => write!(f, "done: {progress}"),
             Event::Reasons { failed, swapped } => {
@@ -204,6 +229,15 @@ impl std::fmt::Display for Event {
             Event::Stopped => write!(f, "stopped"),
         }
     }
+}
+
+/// The peak resident memory of this process so far (Linux `VmHWM`), bytes; `None` where
+/// the platform does not say.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// Receives a peer's events.
@@ -226,6 +260,12 @@ mod tests {
                     jobs: 3,
                     ..CounterSnapshot::default()
                 },
+                averaging: Some(AvgSnapshot {
+                    rounds: 4,
+                    recent_rounds_ms: vec![12.5, 8.0],
+                    ..AvgSnapshot::default()
+                }),
+                peak_rss_bytes: 1 << 30,
             },
             Event::Progress {
                 progress: Progress {
@@ -256,5 +296,9 @@ mod tests {
         let ready: Event = serde_json::from_str(r#"{"event":"ready","peer":"12D3"}"#).unwrap();
         assert_eq!(ready.to_string(), "peer 12D3 ready; Ctrl-C to stop");
         assert!(serde_json::from_str::<Event>(r#"{"event":"nope"}"#).is_err());
+        // This process has a peak resident set on Linux, and it is not tiny.
+        if cfg!(target_os = "linux") {
+            assert!(peak_rss_bytes().unwrap() > 1 << 20);
+        }
     }
 }

@@ -150,6 +150,7 @@ impl Ctx {
             // Donors can be busy or leaving: try a few times before giving up (a peer never
             // serves a state that did not download whole and check out).
             let mut attempt = 0;
+            let sync_started = Instant::now();
             let (snap, report) = loop {
                 attempt += 1;
                 let got = sync::download(&client, stage_idx, donors, len, &mut rng).await;
@@ -175,6 +176,8 @@ impl Ctx {
                 step: snap.step,
                 donors: report.donors.len(),
                 chunks_per_donor: report.chunks_per_donor.clone(),
+                bytes: 4 * snap.flat.len() as u64,
+                seconds: sync_started.elapsed().as_secs_f64(),
             });
             synced = Some(report);
         }
