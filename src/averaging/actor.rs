@@ -512,6 +512,8 @@ impl State {
         };
         let len = reduce::partition(self.n, r.members.len())[r.index].len();
         let (avg, total) = reduce::reduce_part(&sums, len);
+        // The members' parts are summed: free them before the reduced parts arrive.
+        self.book.drop_parts(r.key());
         let mut frame = Vec::new();
         if wire::encode_f32(&[avg.len()], &avg, &self.cfg.codec, &mut frame).is_err() {
             return;

@@ -105,6 +105,12 @@ impl Book {
         Some((avg, total))
     }
 
+    /// Forgets the parts of `key` (once reduced they are not needed: a retry is a new
+    /// attempt with new parts).
+    pub fn drop_parts(&mut self, key: Key) {
+        self.parts.remove(&key);
+    }
+
     /// Forgets every attempt of steps up to `step`.
     pub fn forget_through(&mut self, step: u64) {
         self.parts.retain(|(s, _), _| *s > step);
@@ -155,6 +161,9 @@ mod tests {
         let ready = b.parts_ready(&r, n).unwrap();
         assert_eq!(ready.iter().map(|(_, c)| c).sum::<u64>(), 6);
         assert_eq!(b.counts(r.key()), (3, 0));
+        b.drop_parts(r.key());
+        assert_eq!(b.counts(r.key()), (0, 0));
+        assert_eq!(b.counts((4, 8)), (1, 0));
     }
 
     #[test]
