@@ -43,24 +43,27 @@ fn explicit_cuts_are_used() {
     assert!(cfg.validate().is_err());
 }
 
+/// What a test that fails on an error returns.
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
 #[test]
-fn the_built_in_tiny_config_is_the_shipped_file() {
-    let parsed =
-        RunConfig::from_toml(include_str!("../configs/tiny.toml"), "configs/tiny.toml").unwrap();
+fn the_built_in_tiny_config_is_the_shipped_file() -> TestResult {
+    let parsed = RunConfig::from_toml(include_str!("../configs/tiny.toml"), "configs/tiny.toml")?;
     assert_eq!(RunConfig::tiny(), parsed);
-    assert_eq!(OptimizerConfig::default(), toml::from_str("").unwrap());
-    assert_eq!(TrainingConfig::default(), toml::from_str("").unwrap());
+    assert_eq!(OptimizerConfig::default(), toml::from_str("")?);
+    assert_eq!(TrainingConfig::default(), toml::from_str("")?);
+    Ok(())
 }
 
 #[test]
-fn averaging_knobs_are_optional_and_checked() {
+fn averaging_knobs_are_optional_and_checked() -> TestResult {
     let base = include_str!("../configs/tiny.toml");
-    let plain = RunConfig::from_toml(base, "x.toml").unwrap();
+    let plain = RunConfig::from_toml(base, "x.toml")?;
     assert_eq!(plain.averaging, AveragingConfig::default());
     // Absent knobs leave the canonical text (and so the run id) as it was.
-    assert!(!toml::to_string(&plain).unwrap().contains("averaging"));
+    assert!(!toml::to_string(&plain)?.contains("averaging"));
     let set = format!("{base}\n[averaging]\nround_timeout_s = 60.0\nheartbeat_ms = 500\n");
-    let cfg = RunConfig::from_toml(&set, "x.toml").unwrap();
+    let cfg = RunConfig::from_toml(&set, "x.toml")?;
     assert_eq!(cfg.averaging.round_timeout_s, Some(60.0));
     assert_eq!(cfg.averaging.heartbeat_ms, Some(500));
     for bad in [
@@ -69,7 +72,10 @@ fn averaging_knobs_are_optional_and_checked() {
         "heartbeat_ms = 1",
     ] {
         let text = format!("{base}\n[averaging]\n{bad}\n");
-        let err = RunConfig::from_toml(&text, "x.toml").unwrap_err();
-        assert!(err.to_string().contains("averaging."), "{bad}: {err}");
+        match RunConfig::from_toml(&text, "x.toml") {
+            Ok(_) => panic!("{bad} was accepted"),
+            Err(err) => assert!(err.to_string().contains("averaging."), "{bad}: {err}"),
+        }
     }
+    Ok(())
 }

@@ -5,46 +5,49 @@ use crate::config::RunConfig;
 use crate::model::Upstream;
 use candle_core::Device;
 
-fn one_stage() -> (RunConfig, Replica) {
+/// What a test that fails on an error returns.
+type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+fn one_stage() -> TestResult<(RunConfig, Replica)> {
     let mut cfg = RunConfig::tiny();
     cfg.stages.count = 1;
     cfg.stages.cuts.clear();
-    cfg.validate().unwrap();
-    let stage = Stage::new(&cfg, 0, &Device::Cpu).unwrap();
-    let r = Replica::new(&cfg, stage).unwrap();
-    (cfg, r)
+    cfg.validate()?;
+    let stage = Stage::new(&cfg, 0, &Device::Cpu)?;
+    let r = Replica::new(&cfg, stage)?;
+    Ok((cfg, r))
 }
 
 /// `n` random sequences of ids and their targets.
-fn batch(cfg: &RunConfig, n: usize, seed: u64) -> (Tensor, Tensor) {
+fn batch(cfg: &RunConfig, n: usize, seed: u64) -> TestResult<(Tensor, Tensor)> {
     let mut rng = crate::rng::Rng::new(seed);
     let t = cfg.model.seq_len;
     let ids: Vec<u32> = (0..n * (t + 1))
         .map(|_| rng.below(cfg.model.vocab as u64) as u32)
         .collect();
-    let all = Tensor::from_vec(ids, (n, t + 1), &Device::Cpu).unwrap();
-    (
-        all.narrow(1, 0, t).unwrap().contiguous().unwrap(),
-        all.narrow(1, 1, t).unwrap().contiguous().unwrap(),
-    )
+    let all = Tensor::from_vec(ids, (n, t + 1), &Device::Cpu)?;
+    Ok((
+        all.narrow(1, 0, t)?.contiguous()?,
+        all.narrow(1, 1, t)?.contiguous()?,
+    ))
 }
 
 #[test]
-fn a_step_sums_each_microbatch_once_into_one_buffer() {
-    let (cfg, mut r) = one_stage();
-    let (x1, y1) = batch(&cfg, 4, 1);
-    let (x2, y2) = batch(&cfg, 2, 2);
-    let (g1, fresh) = r.backward(&x1, Upstream::Targets(&y1), 1).unwrap();
+fn a_step_sums_each_microbatch_once_into_one_buffer() -> TestResult {
+    let (cfg, mut r) = one_stage()?;
+    let (x1, y1) = batch(&cfg, 4, 1)?;
+    let (x2, y2) = batch(&cfg, 2, 2)?;
+    let (g1, fresh) = r.backward(&x1, Upstream::Targets(&y1), 1)?;
     assert!(fresh);
-    let (g2, fresh) = r.backward(&x2, Upstream::Targets(&y2), 2).unwrap();
+    let (g2, fresh) = r.backward(&x2, Upstream::Targets(&y2), 2)?;
     assert!(fresh);
     // The same microbatch again (a retried call) is not accumulated twice.
-    let (_, fresh) = r.backward(&x1, Upstream::Targets(&y1), 1).unwrap();
+    let (_, fresh) = r.backward(&x1, Upstream::Targets(&y1), 1)?;
     assert!(!fresh);
     assert_eq!(r.accum_count(), 6);
-    let f = r.freeze(0).unwrap();
+    let f = r.freeze(0)?;
     assert_eq!((f.step, f.count), (0, 6));
-    let (a, b) = (flatten(&g1.grads).unwrap(), flatten(&g2.grads).unwrap());
+    let (a, b) = (flatten(&g1.grads)?, flatten(&g2.grads)?);
     assert_eq!(f.sum.len(), a.len());
     for i in 0..a.len() {
         let want = 4.0 * a[i] + 2.0 * b[i];
@@ -55,16 +58,17 @@ fn a_step_sums_each_microbatch_once_into_one_buffer() {
         );
     }
     // Later microbatches count toward the next step; a retried round gets the same sum.
-    let (x3, y3) = batch(&cfg, 3, 3);
-    r.backward(&x3, Upstream::Targets(&y3), 3).unwrap();
+    let (x3, y3) = batch(&cfg, 3, 3)?;
+    r.backward(&x3, Upstream::Targets(&y3), 3)?;
     assert_eq!(
         (r.accum_step(), r.accum_count(), r.frozen_count()),
         (1, 3, 6)
     );
-    let again = r.freeze(0).unwrap();
+    let again = r.freeze(0)?;
     assert!(Arc::ptr_eq(&again.sum, &f.sum));
     assert!(
         r.freeze(1).is_err(),
         "step 1 cannot freeze before step 0 applies"
     );
+    Ok(())
 }
