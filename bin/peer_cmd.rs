@@ -4,7 +4,9 @@
 
 use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
 use anyhow::{Context, Result};
+use shoal::averaging::AvgStats;
 use shoal::stage::client::StageClient;
+use shoal::stage::service::StageService;
 use shoal::swarm::events::{peak_rss_bytes, Event};
 use shoal::swarm::peer::{Peer, PeerConfig};
 use shoal::trainer::report::Progress;
@@ -146,12 +148,12 @@ impl Trainers {
 }
 
 /// The replica's counters, its averager's and the process's peak memory, when serving.
-fn counters(peer: &Peer) -> Option<Event> {
-    let s = peer.service()?;
+fn counters(service: Option<Arc<StageService>>, avg: Option<Arc<AvgStats>>) -> Option<Event> {
+    let s = service?;
     Some(Event::Counters {
         stage: s.stage(),
         counters: s.counters().snapshot(),
-        averaging: peer.avg_stats().map(|a| a.snapshot()),
+        averaging: avg.map(|a| a.snapshot()),
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
     })
 }
@@ -187,7 +189,7 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
                 _ = tokio::time::sleep(tick) => {}
             }
             if counters_every.is_some() {
-                if let Some(e) = counters(&peer) {
+                if let Some(e) = counters(peer.service(), peer.avg_stats()) {
                     out.emit(e);
                 }
             }
@@ -200,17 +202,11 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
             }
         }
         out.emit(Event::Stopping);
-        let last = counters(&peer);
-        let service = peer.service();
+        let (service, avg) = (peer.service(), peer.avg_stats());
         peer.stop().await?;
         // The counters once more, with what stopping finished.
-        if let (Some(s), Some(Event::Counters { averaging, .. })) = (service, last) {
-            out.emit(Event::Counters {
-                stage: s.stage(),
-                counters: s.counters().snapshot(),
-                averaging,
-                peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
-            });
+        if let Some(e) = counters(service, avg) {
+            out.emit(e);
         }
         out.emit(Event::Stopped);
         Ok::<_, anyhow::Error>(())

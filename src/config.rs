@@ -215,10 +215,10 @@ pub struct RunConfig {
     #[serde(default = "d_stages")]
     pub stages: StagesConfig,
     /// Optimizer.
-    #[serde(default = "d_opt")]
+    #[serde(default)]
     pub optimizer: OptimizerConfig,
     /// Training schedule.
-    #[serde(default = "d_training")]
+    #[serde(default)]
     pub training: TrainingConfig,
     /// Data source.
     #[serde(default)]
@@ -314,12 +314,6 @@ fn d_stages() -> StagesConfig {
         kind: StageKind::Model,
         sim_ms_per_sample: None,
     }
-}
-fn d_opt() -> OptimizerConfig {
-    OptimizerConfig::default()
-}
-fn d_training() -> TrainingConfig {
-    TrainingConfig::default()
 }
 
 impl Default for OptimizerConfig {

@@ -153,21 +153,20 @@ impl Ctx {
             let sync_started = Instant::now();
             let (snap, report) = loop {
                 attempt += 1;
-                let got = sync::download(&client, stage_idx, donors, len, &mut rng).await;
+                let got = match sync::download(&client, stage_idx, donors, len, &mut rng).await {
+                    Ok((snap, report)) => replica
+                        .restore(&snap)
+                        .map(|_| (snap, report))
+                        .map_err(PeerError::from),
+                    Err(e) => Err(e.into()),
+                };
                 match got {
-                    Ok((snap, report)) => match replica.restore(&snap) {
-                        Ok(_) => break (snap, report),
-                        Err(e) if attempt < SYNC_ATTEMPTS => (self.emit)(Event::SyncRetry {
-                            stage: stage_idx,
-                            error: e.to_string(),
-                        }),
-                        Err(e) => return Err(e.into()),
-                    },
+                    Ok(done) => break done,
                     Err(e) if attempt < SYNC_ATTEMPTS => (self.emit)(Event::SyncRetry {
                         stage: stage_idx,
                         error: e.to_string(),
                     }),
-                    Err(e) => return Err(e.into()),
+                    Err(e) => return Err(e),
                 }
                 tokio::time::sleep(Duration::from_secs(attempt as u64)).await;
             };
