@@ -1,7 +1,7 @@
 //! The commands that start many peers or measure: `demo` (the swarm one), `bench
 //! transfer`, `bench allreduce` and `bench swarm`, with their tables.
 
-use crate::harness::{bench_swarm, demo as swarm_demo, scenarios as bs};
+use crate::harness::{bench_large, bench_swarm, demo as swarm_demo, scenarios as bs};
 use crate::peer_cmd::runtime;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -165,7 +165,11 @@ pub fn bench_swarm(
             s.replicas.len(),
             s.trainers.len()
         );
-        let row = bench_swarm::run_setup(s, &opts, &|l| println!("{l}"))?;
+        let row = if s.large {
+            bench_large::run(s, &opts, &|l| println!("{l}"))?
+        } else {
+            bench_swarm::run_setup(s, &opts, &|l| println!("{l}"))?
+        };
         println!("{}", bs::HEADER);
         println!("{}", row.line());
         if let Some(t) = row.stages.get(row.focus) {

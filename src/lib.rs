@@ -47,3 +47,13 @@ pub mod wire;
 /// mimalloc keeps freed memory for reuse.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Hands memory freed since the last call back to the OS. mimalloc keeps blocks that one
+/// thread allocated and another freed until the allocating thread collects them; a large
+/// stage's gradient-sized buffers move between threads (a compute thread fills the
+/// running sum, the averager frees it), so without this the process keeps hundreds of MB
+/// it no longer uses. Called by replicas of large stages after their big frees.
+pub fn release_memory() {
+    // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}

@@ -11,7 +11,13 @@ use shoal::trainer::report::Progress;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-fn trainer_args(setup: &Setup, id: &str, boot: &str, link: &LinkSpec, idx: usize) -> Vec<String> {
+pub(super) fn trainer_args(
+    setup: &Setup,
+    id: &str,
+    boot: &str,
+    link: &LinkSpec,
+    idx: usize,
+) -> Vec<String> {
     let conc = setup.concurrency;
     [
         "train",
@@ -48,7 +54,7 @@ fn trainer_args(setup: &Setup, id: &str, boot: &str, link: &LinkSpec, idx: usize
 /// every replica's queue holds them all, so a replica never refuses work for being full
 /// (which would let the fixed round-robin baseline steer around a slow replica), and it
 /// keeps as many forwards, so a backward never recomputes for want of room.
-fn replica_args(
+pub(super) fn replica_args(
     id: &str,
     boot: &str,
     r: &ReplicaSpec,
@@ -358,5 +364,6 @@ fn run_in(
         stages,
         focus,
         peak_rss_mib: seen.peak_rss as f64 / (1 << 20) as f64,
+        large: None,
     })
 }

@@ -4,8 +4,10 @@
 //! or kept in `$SHOAL_DEMO_LOGS/NAME.err`). Nothing here reads printed text.
 //!
 //! - [`demo`]: `shoal demo`.
-//! - [`bench_swarm`] and [`scenarios`]: `shoal bench swarm`.
+//! - [`bench_swarm`] and [`scenarios`]: `shoal bench swarm`; [`bench_large`]: its `large`
+//!   scenario (averaging and state download of stages of real size).
 
+pub mod bench_large;
 pub mod bench_swarm;
 pub mod demo;
 pub mod scenarios;

@@ -27,6 +27,7 @@ pub const SCENARIOS: &[&str] = &[
     "compression",
     "churn",
     "real",
+    "large",
 ];
 
 /// One replica of a scenario.
@@ -59,10 +60,13 @@ pub struct Setup {
     pub routing: &'static str,
     /// The trainers' `--call-timeout` (seconds); `None`: their default.
     pub call_timeout: Option<f64>,
+    /// Measured as the `large` scenario ([`super::bench_large`]): averaging rounds and a
+    /// joiner's state download instead of throughput.
+    pub large: bool,
 }
 
 /// What one setup measured.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Row {
     /// Scenario (and variant) name.
     pub scenario: String,
@@ -96,6 +100,8 @@ pub struct Row {
     pub focus: usize,
     /// The highest peak resident memory a replica reported, MiB (0: unknown).
     pub peak_rss_mib: f64,
+    /// The `large` scenario's figures.
+    pub large: Option<super::bench_large::LargeFigures>,
 }
 
 /// Where a stage's replicas spent their time, summed over replicas.
@@ -211,6 +217,14 @@ impl StageTimes {
 impl Row {
     /// The JSON object of this row.
     pub fn to_json(&self) -> serde_json::Value {
+        let mut v = self.base_json();
+        if let (Some(l), serde_json::Value::Object(m)) = (&self.large, &mut v) {
+            m.extend(l.to_json());
+        }
+        v
+    }
+
+    fn base_json(&self) -> serde_json::Value {
         serde_json::json!({
             "scenario": self.scenario,
             "samples_per_s": self.samples_per_s,
@@ -311,6 +325,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
         churn: None,
         routing: "wiring",
         call_timeout: None,
+        large: false,
     };
     Some(match name {
         "homogeneous" => vec![homogeneous("homogeneous", int8z)],
@@ -370,8 +385,48 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
             s.run = run;
             vec![s]
         }
+        "large" => vec![large(home)],
         _ => return None,
     })
+}
+
+/// The `large` scenario: a `sim` run of two stages of over 100M parameters each (d_model
+/// 1024, 8 blocks per stage), 2 replicas per stage and a trainer, all on `home` links.
+/// Gradients travel in int8 (zstd gains nothing on int8 gradients and costs CPU that
+/// five processes on two cores do not have). A step takes about 20 s of trainer work, so
+/// the donors' uplinks have room for a joiner's download between rounds.
+fn large(home: LinkSpec) -> Setup {
+    let mut run = RunConfig::tiny();
+    run.model.vocab = 256;
+    run.model.d_model = 1024;
+    run.model.n_heads = 16;
+    run.model.n_layers = 16;
+    run.model.seq_len = 32;
+    run.stages.count = 2;
+    run.stages.cuts.clear();
+    run.stages.kind = StageKind::Sim;
+    run.stages.sim_ms_per_sample = Some(250.0);
+    run.codecs.gradients = CodecSpec::INT8;
+    run.training.batch_size = 8;
+    run.training.target_batch_size = Some(64);
+    run.training.steps = 1_000_000;
+    Setup {
+        label: "large".into(),
+        run,
+        replicas: (0..4)
+            .map(|i| ReplicaSpec {
+                stage: i % 2,
+                link: home,
+                slowdown: 1.0,
+            })
+            .collect(),
+        trainers: vec![home],
+        concurrency: 2,
+        churn: None,
+        routing: "wiring",
+        call_timeout: None,
+        large: true,
+    }
 }
 
 /// Raw (f32-sized) bytes per sample a replica of `stage` receives and sends, as our

@@ -4,17 +4,17 @@
 //! or joins.
 
 use super::plan::{self, Decision, View};
-use super::reduce;
-use super::round::{Book, Key, Round};
-use super::server::Inbound;
+use super::round::{self, Key, Layout, Round, Taken, Tally, PART_CHUNK};
+use super::server::{Inbound, Inbox};
 use super::sync;
 use super::{AveragerConfig, AvgStats};
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
 use crate::stage::registry;
+use crate::stage::replica::Frozen;
 use crate::stage::service::{ReplicaStatus, StageService};
 use crate::wire::msg::{AvgMsg, ErrorKind};
-use crate::wire::{self, Limits, TensorData};
+use crate::wire::{self, CodecSpec, Limits};
 use futures::StreamExt;
 use libp2p::{Multiaddr, PeerId};
 use std::collections::HashMap;
@@ -23,22 +23,156 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// Messages waiting to be sent; beyond this, new ones are dropped (and counted): progress
-/// is repeated by the heartbeat, and a round that loses a message retries at its deadline.
+/// Control messages waiting to be sent; beyond this, new ones are dropped (and counted):
+/// progress is repeated by the heartbeat, and a round that loses a message retries at its
+/// deadline.
 pub(super) const OUTBOX: usize = 1024;
 
-/// Messages being sent at once.
+/// Bulk jobs (a round's parts, reduced chunks) waiting to be sent. A round queues one job
+/// for its parts and one per reduced chunk of its own part.
+pub(super) const BULK_OUTBOX: usize = 8192;
+
+/// Messages being sent at once, per sender.
 const SENDS_IN_FLIGHT: usize = 32;
 
-/// A message to one replica.
+/// A control message to one replica (never behind a round's bulk data).
 pub(super) struct Outgoing {
     peer: PeerId,
     msg: AvgMsg,
-    frame: Option<Vec<u8>>,
+}
+
+/// Bulk data of a round.
+pub(super) enum Bulk {
+    /// This replica's sum, cut into the members' parts and sent chunk by chunk, encoded
+    /// just before each chunk is sent (so the encoded parts are never all in memory).
+    Parts {
+        key: Key,
+        count: u64,
+        sum: Arc<Vec<f32>>,
+        layout: Layout,
+        /// (member index, peer) of every other member.
+        to: Vec<(usize, PeerId)>,
+    },
+    /// One reduced chunk, to every other member.
+    Reduced {
+        key: Key,
+        msg: AvgMsg,
+        frame: Arc<Vec<u8>>,
+        to: Vec<PeerId>,
+    },
+}
+
+/// What a bulk job sends.
+enum Payload {
+    Frame(Arc<Vec<u8>>),
+    Encode {
+        sum: Arc<Vec<f32>>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+/// One call of a bulk job.
+struct Job {
+    key: Key,
+    peer: PeerId,
+    msg: AvgMsg,
+    payload: Payload,
+}
+
+impl Bulk {
+    /// Its calls, the parts' chunks taken round-robin over the members.
+    fn jobs(self) -> Vec<Job> {
+        match self {
+            Bulk::Parts {
+                key,
+                count,
+                sum,
+                layout,
+                to,
+            } => {
+                let most = to.iter().map(|(i, _)| layout.chunks(*i)).max().unwrap_or(0);
+                let mut out = Vec::new();
+                for c in 0..most {
+                    for &(i, peer) in &to {
+                        if let Some(range) = layout.range(i, c) {
+                            out.push(Job {
+                                key,
+                                peer,
+                                msg: AvgMsg::Part {
+                                    step: key.0,
+                                    attempt: key.1,
+                                    count,
+                                    chunk: c,
+                                },
+                                payload: Payload::Encode {
+                                    sum: Arc::clone(&sum),
+                                    range,
+                                },
+                            });
+                        }
+                    }
+                }
+                out
+            }
+            Bulk::Reduced {
+                key,
+                msg,
+                frame,
+                to,
+            } => to
+                .into_iter()
+                .map(|peer| Job {
+                    key,
+                    peer,
+                    msg: msg.clone(),
+                    payload: Payload::Frame(Arc::clone(&frame)),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Frames at least this long time the uplink (shorter ones mostly time the round trip).
 const MEASURED_FRAME: usize = 64 << 10;
+
+/// Measures the uplink while bulk data is being sent: bytes completed over the time some
+/// were in flight (with many calls in flight, one call's time says little).
+#[derive(Default)]
+struct Meter {
+    in_flight: usize,
+    since: Option<Instant>,
+    bytes: u64,
+}
+
+impl Meter {
+    fn start(&mut self) {
+        if self.in_flight == 0 {
+            self.since = Some(Instant::now());
+            self.bytes = 0;
+        }
+        self.in_flight += 1;
+    }
+
+    /// A call of `bytes` ended (sent, or not); folds a rate into `avg` every second of
+    /// busy time and when the link goes idle.
+    fn end(&mut self, bytes: u64, avg: &AtomicU64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.bytes += bytes;
+        let Some(since) = self.since else { return };
+        let took = since.elapsed();
+        if (self.in_flight == 0 || took >= Duration::from_secs(1))
+            && self.bytes >= MEASURED_FRAME as u64
+            && took >= Duration::from_millis(20)
+        {
+            fold_rate(avg, self.bytes as usize, took);
+            self.since = Some(Instant::now());
+            self.bytes = 0;
+        }
+        if self.in_flight == 0 {
+            self.since = None;
+        }
+    }
+}
 
 /// Folds a measured rate into the moving average in `avg` (bytes/s).
 fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
@@ -48,49 +182,127 @@ fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
     avg.store(new.max(1), Ordering::Relaxed);
 }
 
-/// Sends the outbox's messages, at most [`SENDS_IN_FLIGHT`] at once, timing the big ones
-/// (the uplink rate in `stats`); ends when the averager drops its side.
-pub(super) async fn sender(
-    client: StageClient,
+fn debug_avg() -> bool {
+    std::env::var_os("SHOAL_DEBUG_AVG").is_some()
+}
+
+/// Sends one message, retrying a round message (a lost one stalls the round until its
+/// deadline) while `live` says its attempt runs; true if it got through.
+async fn send_one(
+    client: &StageClient,
     stage: usize,
-    rx: mpsc::Receiver<Outgoing>,
-    stats: Arc<AvgStats>,
-) {
-    let debug = std::env::var_os("SHOAL_DEBUG_AVG").is_some();
+    peer: PeerId,
+    msg: &AvgMsg,
+    frame: Option<&[u8]>,
+    live: impl Fn() -> bool,
+) -> bool {
+    let tries = if matches!(msg, AvgMsg::Progress { .. }) {
+        1
+    } else {
+        8
+    };
+    for i in 0..tries {
+        if !live() {
+            return false;
+        }
+        match client.send_avg(peer, stage, msg.clone(), frame).await {
+            Ok(()) => return true,
+            // A part for a round that is over: sending it again cannot help.
+            Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return false,
+            Err(e) => {
+                if debug_avg() {
+                    eprintln!("avg send to {peer} failed (try {i}): {e}");
+                }
+                tokio::time::sleep(Duration::from_millis((50u64 << i).min(1000))).await;
+            }
+        }
+    }
+    false
+}
+
+/// Sends the control outbox's messages, at most [`SENDS_IN_FLIGHT`] at once; ends when the
+/// averager drops its side.
+pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver<Outgoing>) {
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
         .for_each_concurrent(SENDS_IN_FLIGHT, |o| {
             let client = client.clone();
-            let stats = Arc::clone(&stats);
             async move {
-                // Progress is repeated by the heartbeat anyway; round messages are retried,
-                // since a lost part stalls the round until its deadline.
-                let tries = if matches!(o.msg, AvgMsg::Progress { .. }) {
-                    1
-                } else {
-                    4
-                };
-                let bytes = o.frame.as_ref().map_or(0, Vec::len);
-                for i in 0..tries {
-                    let t0 = Instant::now();
-                    match client
-                        .send_avg(o.peer, stage, o.msg.clone(), o.frame.clone())
-                        .await
-                    {
-                        Ok(()) => {
-                            if bytes >= MEASURED_FRAME {
-                                fold_rate(&stats.uplink, bytes, t0.elapsed());
-                            }
+                send_one(&client, stage, o.peer, &o.msg, None, || true).await;
+            }
+        })
+        .await;
+}
+
+/// Attempts abandoned (the newest few), shared by the averager and its bulk sender.
+#[derive(Clone, Default)]
+pub(super) struct Abandoned(Arc<std::sync::Mutex<std::collections::VecDeque<Key>>>);
+
+impl Abandoned {
+    fn add(&self, key: Key) {
+        if let Ok(mut a) = self.0.lock() {
+            a.push_back(key);
+            while a.len() > 16 {
+                a.pop_front();
+            }
+        }
+    }
+
+    fn has(&self, key: Key) -> bool {
+        self.0.lock().map(|a| a.contains(&key)).unwrap_or(false)
+    }
+}
+
+/// Sends the rounds' bulk data, at most [`SENDS_IN_FLIGHT`] calls at once, skipping jobs of
+/// abandoned attempts, measuring the uplink into `stats`; ends when the averager drops its
+/// side.
+pub(super) async fn bulk_sender(
+    client: StageClient,
+    stage: usize,
+    codec: CodecSpec,
+    rx: mpsc::Receiver<Bulk>,
+    abandoned: Abandoned,
+    stats: Arc<AvgStats>,
+) {
+    let meter = Arc::new(std::sync::Mutex::new(Meter::default()));
+    let is_live = move |key: Key| !abandoned.has(key);
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
+        .flat_map(|b| futures::stream::iter(b.jobs()))
+        .for_each_concurrent(SENDS_IN_FLIGHT, |job| {
+            let (client, stats, meter) = (client.clone(), Arc::clone(&stats), Arc::clone(&meter));
+            let is_live = is_live.clone();
+            async move {
+                if !is_live(job.key) {
+                    return;
+                }
+                let frame = match job.payload {
+                    Payload::Frame(f) => f,
+                    Payload::Encode { sum, range } => {
+                        let mut f = Vec::new();
+                        let part = &sum[range];
+                        if wire::encode_f32(&[part.len()], part, &codec, &mut f).is_err() {
                             return;
                         }
-                        // A part for a round that is over: sending it again cannot help.
-                        Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return,
-                        Err(e) => {
-                            if debug {
-                                eprintln!("avg send to {} failed (try {i}): {e}", o.peer);
-                            }
-                            tokio::time::sleep(Duration::from_millis(50 << i)).await;
-                        }
+                        Arc::new(f)
                     }
+                };
+                let floats = wire::header::parse_header(&frame, &Limits::default())
+                    .map_or(0, |(h, _)| h.elements());
+                if let Ok(mut m) = meter.lock() {
+                    m.start();
+                }
+                let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
+                    is_live(job.key)
+                })
+                .await;
+                let sent = if ok { frame.len() as u64 } else { 0 };
+                if let Ok(mut m) = meter.lock() {
+                    m.end(sent, &stats.uplink);
+                }
+                if ok {
+                    stats.bytes_sent.fetch_add(sent, Ordering::Relaxed);
+                    stats
+                        .raw_bytes
+                        .fetch_add(4 * floats as u64, Ordering::Relaxed);
                 }
             }
         })
@@ -111,12 +323,25 @@ pub(super) struct State {
     pub(super) client: StageClient,
     pub(super) service: Arc<StageService>,
     pub(super) outbox: mpsc::Sender<Outgoing>,
+    /// The rounds' bulk data.
+    pub(super) bulk: mpsc::Sender<Bulk>,
+    /// Attempts abandoned, shared with the bulk sender (which skips their jobs; those of
+    /// an attempt this replica completed still go: the others may need them).
+    pub(super) abandoned: Abandoned,
+    /// The inbox's shared state (attempts that are over are refused there).
+    pub(super) inbox: Inbox,
     /// The applied step, shared with the server (which refuses parts of other steps).
     pub(super) step: Arc<AtomicU64>,
     pub(super) views: HashMap<PeerId, View>,
     pub(super) known: Vec<PeerId>,
     pub(super) round: Option<Round>,
-    pub(super) book: Book,
+    /// What this replica received for its running round.
+    pub(super) tally: Option<Tally>,
+    /// The sum this replica froze for its running round.
+    pub(super) frozen: Option<Frozen>,
+    /// Parts of this step that came before their round's `Members` (they keep their
+    /// share of the inbox's byte budget while they wait).
+    pub(super) early: Vec<Inbound>,
     pub(super) last_sent: Option<(u64, u64, u64, u64, String)>,
     pub(super) last_sent_at: Instant,
     pub(super) timers: plan::Timers,
@@ -139,7 +364,7 @@ impl State {
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
-                    Some(m) if !self.left => self.on_message(m.from, m.msg, m.frames).await,
+                    Some(m) if !self.left => self.on_message(m).await,
                     Some(_) => {}
                     None => return,
                 },
@@ -162,7 +387,7 @@ impl State {
                             pending: st.accum_count + st.frozen_count,
                         };
                         for p in self.others() {
-                            self.send(p, msg.clone(), None);
+                            self.send(p, msg.clone());
                         }
                     }
                 }
@@ -206,10 +431,29 @@ impl State {
         out
     }
 
-    fn send(&self, peer: PeerId, msg: AvgMsg, frame: Option<Vec<u8>>) {
-        if self.outbox.try_send(Outgoing { peer, msg, frame }).is_err() {
+    fn send(&self, peer: PeerId, msg: AvgMsg) {
+        if self.outbox.try_send(Outgoing { peer, msg }).is_err() {
             self.stats.dropped_sends.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    fn send_bulk(&self, b: Bulk) {
+        if self.bulk.try_send(b).is_err() {
+            self.stats.dropped_sends.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Ends the running attempt, `completed` or abandoned: its late parts are refused;
+    /// the bulk data of an abandoned one is not sent.
+    fn end_round(&mut self, completed: bool) {
+        if let Some(r) = self.round.take() {
+            self.inbox.close(r.key());
+            if !completed {
+                self.abandoned.add(r.key());
+            }
+        }
+        self.tally = None;
+        self.frozen = None;
     }
 
     fn debug(&self, what: impl FnOnce() -> String) {
@@ -247,7 +491,7 @@ impl State {
                 uplink: self.stats.uplink.load(Ordering::Relaxed),
             };
             for p in self.others() {
-                self.send(p, msg.clone(), None);
+                self.send(p, msg.clone());
             }
             self.last_sent = Some(now_sig);
             self.last_sent_at = Instant::now();
@@ -261,17 +505,17 @@ impl State {
         // Abandon a round past its deadline (frozen sums stay for the next attempt).
         if let Some(r) = &self.round {
             if Instant::now() > r.deadline {
-                let (parts, have) = self.book.counts(r.key());
+                let (partial, missing) = self.tally.as_ref().map_or((0, 0), Tally::counts);
                 self.debug(|| {
                     format!(
-                        "round {}/{} timed out: parts {parts} reduced {have} of {}",
+                        "round {}/{} timed out: {partial} chunks being reduced, {missing} reduced chunks missing, {} members",
                         r.step,
                         r.attempt,
                         r.members.len()
                     )
                 });
                 self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
-                self.round = None;
+                self.end_round(false);
             }
         }
         if self.round.is_some() {
@@ -318,7 +562,7 @@ impl State {
                 };
                 for &p in &members {
                     if p != self.me {
-                        self.send(p, msg.clone(), None);
+                        self.send(p, msg.clone());
                     }
                 }
                 self.on_members(step, attempt, members, lost).await;
@@ -350,12 +594,19 @@ impl State {
             if matches!(ok, Ok(Ok(()))) {
                 self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
                 self.service.refresh_status().await;
-                self.book.clear();
+                self.end_round(false);
+                self.early.clear();
             }
         }
     }
 
-    async fn on_message(&mut self, from: PeerId, msg: AvgMsg, frames: Vec<Vec<u8>>) {
+    async fn on_message(&mut self, m: Inbound) {
+        let Inbound {
+            from,
+            msg,
+            frames,
+            permit,
+        } = m;
         match msg {
             AvgMsg::Leave { pending } => {
                 self.views.remove(&from);
@@ -400,28 +651,119 @@ impl State {
                     self.on_members(step, attempt, members, lost).await;
                 }
             }
-            AvgMsg::Part {
-                step,
-                attempt,
-                count,
-            } => {
-                if let Some(v) = frames.first().and_then(|f| decode(f)) {
-                    self.book.add_part((step, attempt), from, v, count);
-                    self.try_reduce();
-                    self.try_complete().await;
-                }
+            AvgMsg::Part { .. } | AvgMsg::Reduced { .. } => {
+                self.on_round_data(Inbound {
+                    from,
+                    msg,
+                    frames,
+                    permit,
+                })
+                .await;
             }
+        }
+    }
+
+    /// A part or reduced chunk: taken if it is for the running attempt, kept for later if
+    /// it is for this step and came before its `Members`, else dropped.
+    async fn on_round_data(&mut self, m: Inbound) {
+        let key = match &m.msg {
+            AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } => {
+                (*step, *attempt)
+            }
+            _ => return,
+        };
+        if self.tally.as_ref().map(Tally::key) != Some(key) {
+            if key.0 == self.status().params_step {
+                self.early.push(m);
+            }
+            return;
+        }
+        let Some(frame) = m.frames.into_iter().next() else {
+            return;
+        };
+        match m.msg {
+            AvgMsg::Part { count, chunk, .. } => self.on_part(m.from, chunk, count, &frame),
             AvgMsg::Reduced {
-                step,
-                attempt,
                 index,
                 total,
+                chunk,
+                ..
             } => {
-                if let Some(v) = frames.first().and_then(|f| decode(f)) {
-                    self.book.add_reduced((step, attempt), index, v, total);
-                    self.try_complete().await;
+                if let Some(t) = &mut self.tally {
+                    t.add_reduced(index as usize, chunk, Arc::new(frame), total);
                 }
             }
+            _ => {}
+        }
+        self.try_complete().await;
+    }
+
+    /// Chunk `chunk` of member `from`'s sum for this replica's part.
+    fn on_part(&mut self, from: PeerId, chunk: u32, count: u64, frame: &[u8]) {
+        let (Some(r), Some(frozen)) = (&self.round, &self.frozen) else {
+            return;
+        };
+        let Some(m) = r.members.iter().position(|p| *p == from) else {
+            return;
+        };
+        let Some(range) = self
+            .tally
+            .as_ref()
+            .and_then(|t| t.layout().range(r.index, chunk))
+        else {
+            return;
+        };
+        let mut values = Vec::new();
+        if wire::decode_f32_into(frame, &Limits::default(), &mut values).is_err() {
+            return;
+        }
+        let own = (&frozen.sum[range], frozen.count);
+        let taken = match &mut self.tally {
+            Some(t) => t.add_part(m, chunk, count, &values, own),
+            None => return,
+        };
+        self.on_taken(taken);
+    }
+
+    /// Sends a reduced chunk of this replica's part to the others and keeps it.
+    fn on_taken(&mut self, taken: Taken) {
+        let Taken::Reduced { chunk, avg, total } = taken else {
+            if let Taken::Refused(why) = taken {
+                self.debug(|| format!("part chunk refused: {why}"));
+            }
+            return;
+        };
+        let Some(r) = &self.round else { return };
+        let mut frame = Vec::new();
+        if wire::encode_f32(&[avg.len()], &avg, &self.cfg.codec, &mut frame).is_err() {
+            return;
+        }
+        let frame = Arc::new(frame);
+        let (key, index) = (r.key(), r.index as u32);
+        let to: Vec<PeerId> = r
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != self.me)
+            .collect();
+        let msg = AvgMsg::Reduced {
+            step: key.0,
+            attempt: key.1,
+            index,
+            total,
+            chunk,
+        };
+        if let Some(t) = &mut self.tally {
+            // Every member, this one too, applies exactly what was encoded.
+            t.add_reduced(index as usize, chunk, Arc::clone(&frame), total);
+        }
+        if !to.is_empty() {
+            self.send_bulk(Bulk::Reduced {
+                key,
+                msg,
+                frame,
+                to,
+            });
         }
     }
 
@@ -460,6 +802,9 @@ impl State {
             members.len(),
             &uplinks,
         );
+        // A new attempt replaces any other.
+        self.end_round(false);
+        let layout = Layout::new(frozen.sum.len(), members.len(), PART_CHUNK);
         self.round = Some(Round {
             step,
             attempt,
@@ -467,119 +812,98 @@ impl State {
             index,
             lost,
             deadline: Instant::now() + timeout,
-            reduced_sent: false,
             started: Instant::now(),
         });
-        let ranges = reduce::partition(frozen.sum.len(), members.len());
-        for (i, (&p, range)) in members.iter().zip(ranges).enumerate() {
-            let part = &frozen.sum[range];
-            if i == index {
-                self.book
-                    .add_part(key, self.me, part.to_vec(), frozen.count);
-                continue;
-            }
-            let mut frame = Vec::new();
-            if wire::encode_f32(&[part.len()], part, &self.cfg.codec, &mut frame).is_ok() {
-                self.count_sent(frame.len(), part.len());
-                let msg = AvgMsg::Part {
-                    step,
-                    attempt,
-                    count: frozen.count,
+        self.tally = Some(Tally::new(key, layout.clone(), index));
+        let to: Vec<(usize, PeerId)> = members
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(i, _)| *i != index)
+            .collect();
+        if to.is_empty() {
+            // A round of one: its own sum is the average.
+            for c in 0..layout.chunks(index) {
+                let Some(range) = layout.range(index, c) else {
+                    continue;
                 };
-                self.send(p, msg, Some(frame));
+                let taken = match &mut self.tally {
+                    Some(t) => t.reduce_alone(c, (&frozen.sum[range], frozen.count)),
+                    None => continue,
+                };
+                self.on_taken(taken);
+            }
+        } else {
+            self.send_bulk(Bulk::Parts {
+                key,
+                count: frozen.count,
+                sum: Arc::clone(&frozen.sum),
+                layout,
+                to,
+            });
+        }
+        self.frozen = Some(frozen);
+        // Parts that came before this round's members.
+        let early = std::mem::take(&mut self.early);
+        for m in early {
+            let k = match &m.msg {
+                AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } => {
+                    (*step, *attempt)
+                }
+                _ => continue,
+            };
+            if k == key {
+                self.on_round_data(m).await;
+            } else if k.0 == step {
+                self.early.push(m);
             }
         }
-        self.try_reduce();
         self.try_complete().await;
     }
 
-    fn count_sent(&self, frame_bytes: usize, floats: usize) {
-        self.stats
-            .bytes_sent
-            .fetch_add(frame_bytes as u64, Ordering::Relaxed);
-        self.stats
-            .raw_bytes
-            .fetch_add(4 * floats as u64, Ordering::Relaxed);
-    }
-
-    fn try_reduce(&mut self) {
-        let Some(r) = &self.round else { return };
-        if r.reduced_sent {
-            return;
-        }
-        let Some(sums) = self.book.parts_ready(r, self.n) else {
-            return;
-        };
-        let len = reduce::partition(self.n, r.members.len())[r.index].len();
-        let (avg, total) = reduce::reduce_part(&sums, len);
-        // The members' parts are summed: free them before the reduced parts arrive.
-        self.book.drop_parts(r.key());
-        let mut frame = Vec::new();
-        if wire::encode_f32(&[avg.len()], &avg, &self.cfg.codec, &mut frame).is_err() {
-            return;
-        }
-        // Apply exactly what the others will decode.
-        let Some(exact) = decode(&frame) else { return };
-        let (key, index) = (r.key(), r.index as u32);
-        let others: Vec<PeerId> = r
-            .members
-            .iter()
-            .copied()
-            .filter(|m| *m != self.me)
-            .collect();
-        for p in others {
-            self.count_sent(frame.len(), avg.len());
-            let msg = AvgMsg::Reduced {
-                step: key.0,
-                attempt: key.1,
-                index,
-                total,
-            };
-            self.send(p, msg, Some(frame.clone()));
-        }
-        self.book.add_reduced(key, index, exact, total);
-        if let Some(r) = &mut self.round {
-            r.reduced_sent = true;
-        }
-    }
-
     async fn try_complete(&mut self) {
-        let Some(r) = &self.round else { return };
-        let Some((avg, total)) = self.book.assembled(r, self.n) else {
+        let (Some(r), Some(t)) = (&self.round, &mut self.tally) else {
             return;
         };
-        let (step, lost, started) = (r.step, r.lost, r.started);
+        let Some((chunks, total)) = t.take_reduced() else {
+            return;
+        };
+        let (step, lost, started, n) = (r.step, r.lost, r.started, self.n);
+        let took = started.elapsed();
+        // Communication is over: the frozen sum is no longer needed.
+        self.end_round(true);
+        self.early.retain(|m| {
+            !matches!(&m.msg, AvgMsg::Part { step: s, .. } | AvgMsg::Reduced { step: s, .. } if *s <= step)
+        });
         let replica = self.service.replica();
         let applied = tokio::task::spawn_blocking(move || {
+            let avg = round::Frames::new(chunks, n)?;
             replica
                 .blocking_lock()
                 .apply(step, &avg, total, lost)
-                .map_err(|_| ())
+                .map_err(|e| e.to_string())
         })
         .await;
-        self.round = None;
-        self.book.forget_through(step);
-        if matches!(applied, Ok(Ok(()))) {
-            self.debug(|| {
-                format!(
-                    "applied {step} in {:.1} ms, {total} samples",
-                    started.elapsed().as_secs_f64() * 1e3
-                )
-            });
-            self.stats.rounds.fetch_add(1, Ordering::Relaxed);
-            self.stats
-                .round_us
-                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-            self.stats
-                .record_round(started.elapsed().as_secs_f64() * 1e3);
+        match applied {
+            Ok(Ok(())) => {
+                self.debug(|| {
+                    format!(
+                        "applied {step}: averaged in {:.1} ms, applied after {:.1} ms, {total} samples",
+                        took.as_secs_f64() * 1e3,
+                        started.elapsed().as_secs_f64() * 1e3
+                    )
+                });
+                self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .round_us
+                    .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+                self.stats.record_round(took.as_secs_f64() * 1e3);
+            }
+            Ok(Err(e)) => self.debug(|| format!("step {step} not applied: {e}")),
+            Err(e) => self.debug(|| format!("step {step} not applied: {e}")),
         }
         self.service.refresh_status().await;
-    }
-}
-
-fn decode(frame: &[u8]) -> Option<Vec<f32>> {
-    match wire::decode(frame, &Limits::default()).ok()?.data {
-        TensorData::F32(v) => Some(v),
-        TensorData::U32(_) => None,
+        self.step
+            .store(self.status().params_step, Ordering::Relaxed);
     }
 }

@@ -7,6 +7,7 @@
 //! - `actor`: the averager task of one replica (messages in and out, rounds run).
 //! - [`server`]: the replica's answers to averaging messages and state requests.
 //! - [`sync`]: state download for joiners and for replicas that fell behind.
+//! - [`spill`]: the snapshot a donor serves, on disk.
 //! - this module: the config, the counters and the handle.
 //!
 //! Protocol (all messages are `Op::Avg` calls between the replicas of one stage):
@@ -17,14 +18,17 @@
 //!    `Members` (the sorted member list, and samples lost with replicas that died).
 //! 3. Each member freezes the sum it accumulated for the step (one running sum per stage,
 //!    not one copy per microbatch: memory does not grow with the microbatches of a step),
-//!    cuts it into one part per member and sends part i to member i (`Part`, in the run's
-//!    gradient codec). Later backward passes count toward the next step, so a gradient is
-//!    at most one step stale; a step holds at least the target batch, and more when
+//!    cuts it into one part per member and sends part i to member i in chunks of
+//!    [`round::PART_CHUNK`] values (`Part`, in the run's gradient codec, encoded just before
+//!    each chunk goes out). Later backward passes count toward the next step, so a gradient
+//!    is at most one step stale; a step holds at least the target batch, and more when
 //!    microbatches arrive while the round forms (averaging weighs every sample the same).
-//! 4. Member i sums the parts and divides by the total sample count, encodes the result in
-//!    the gradient codec, decodes it again — what every member will apply, itself included
-//!    — and sends it to all (`Reduced`).
-//! 5. With every reduced part, a member applies the optimizer step.
+//! 4. Member i sums each chunk of its part as soon as every member's copy of it arrived,
+//!    divides by the total sample count, encodes the result in the gradient codec — what
+//!    every member will apply, itself included — and sends it to all (`Reduced`). No member
+//!    holds another's whole part; the reduced chunks are kept encoded.
+//! 5. With every reduced chunk, a member applies the optimizer step, decoding the chunks
+//!    one parameter at a time.
 //!
 //! A round that does not finish before its deadline is abandoned; the frozen sums stay, and
 //! the leader starts a new attempt with the members still live. A replica that finds
@@ -36,6 +40,7 @@ pub mod plan;
 pub mod reduce;
 pub mod round;
 pub mod server;
+pub mod spill;
 pub mod sync;
 
 use crate::config::RunConfig;
@@ -52,8 +57,12 @@ use tokio::sync::mpsc;
 /// Averaging messages a replica holds before it refuses more (`overloaded`).
 const INBOX: usize = 256;
 
-/// Bytes of the inbox budget beyond one round's parts (progress and control messages).
+/// Bytes of the inbox budget beyond the parts (progress and control messages).
 const INBOX_SLACK: usize = 1 << 20;
+
+/// Part chunks the inbox holds at most (with every member's 32 calls in flight, a few
+/// members' worth; a sender whose chunk does not fit retries).
+const INBOX_CHUNKS: usize = 128;
 
 /// Knobs of the averager.
 #[derive(Debug, Clone)]
@@ -222,23 +231,32 @@ impl Averager {
         seed: u64,
     ) -> Self {
         let (tx, rx) = mpsc::channel(INBOX);
-        // One round's parts and reduced parts (about twice the encoded gradient) always
-        // fit, plus room for small messages.
         let part_bytes = wire::max_encoded_len(&[service.numel()], &cfg.codec)
             .unwrap_or(service.numel().saturating_mul(4));
-        let inbox = server::Inbox::new(tx, part_bytes.saturating_mul(2) + INBOX_SLACK);
+        let chunk_bytes = wire::max_encoded_len(&[round::PART_CHUNK], &cfg.codec)
+            .unwrap_or(round::PART_CHUNK * 4);
+        // Parts move in chunks: the inbox holds a round's worth of a small stage, and a
+        // few senders' chunks in flight of a large one.
+        let inbox_bytes =
+            part_bytes.saturating_mul(2).min(INBOX_CHUNKS * chunk_bytes) + INBOX_SLACK;
+        let inbox = server::Inbox::new(tx, inbox_bytes);
         let step = Arc::clone(&inbox.step);
         service.attach(Arc::new(server::AvgServer::new(
-            inbox,
+            inbox.clone(),
             service.replica(),
             cfg.state_chunk,
         )));
         let stats = Arc::new(AvgStats::default());
         let (out_tx, out_rx) = mpsc::channel(actor::OUTBOX);
-        tokio::spawn(actor::sender(
+        tokio::spawn(actor::sender(client.clone(), service.stage(), out_rx));
+        let (bulk_tx, bulk_rx) = mpsc::channel(actor::BULK_OUTBOX);
+        let abandoned = actor::Abandoned::default();
+        tokio::spawn(actor::bulk_sender(
             client.clone(),
             service.stage(),
-            out_rx,
+            cfg.codec,
+            bulk_rx,
+            abandoned.clone(),
             Arc::clone(&stats),
         ));
         let st = actor::State {
@@ -250,11 +268,16 @@ impl Averager {
             client,
             service,
             outbox: out_tx,
+            bulk: bulk_tx,
+            abandoned,
+            inbox,
             step,
             views: HashMap::new(),
             known: Vec::new(),
             round: None,
-            book: round::Book::default(),
+            tally: None,
+            frozen: None,
+            early: Vec::new(),
             last_sent: None,
             last_sent_at: Instant::now(),
             timers: plan::Timers::default(),

@@ -29,8 +29,13 @@ pub fn reduce_part(sums: &[(&[f32], u64)], len: usize) -> (Vec<f32>, u64) {
             *a += x as f64;
         }
     }
-    let inv = if total == 0 { 0.0 } else { 1.0 / total as f64 };
-    (acc.into_iter().map(|a| (a * inv) as f32).collect(), total)
+    (average(&acc, total), total)
+}
+
+/// `sum ÷ count` in f32 (zero with no samples): a part's average from its f64 sum.
+pub fn average(sum: &[f64], count: u64) -> Vec<f32> {
+    let inv = if count == 0 { 0.0 } else { 1.0 / count as f64 };
+    sum.iter().map(|&a| (a * inv) as f32).collect()
 }
 
 #[cfg(test)]

@@ -1,11 +1,28 @@
-//! One averaging round's bookkeeping: which attempt is running, the parts received for the
-//! part this replica reduces, the reduced parts received from the others, and when each is
-//! complete. Pure: no sockets, no clock reads.
+//! One averaging round's bookkeeping: which attempt is running, how the gradient is cut
+//! into parts and the parts into chunks, the chunks of this replica's part being reduced,
+//! and the reduced chunks received (kept encoded, as they travelled: a quarter of the f32
+//! size in int8) until the whole averaged gradient is there. Pure: no sockets, no clock
+//! reads.
+//!
+//! Parts travel and are reduced chunk by chunk, so a member never holds another member's
+//! whole part: a chunk of its own part is summed as soon as every member's copy of it
+//! arrived, and freed when its average is encoded.
 
 use super::reduce;
+use crate::model::optim::FlatSource;
+use crate::model::ModelError;
+use crate::wire::{self, Limits};
 use libp2p::PeerId;
 use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
+
+/// Floats per chunk of a part.
+pub const PART_CHUNK: usize = 256 << 10;
+
+/// Reduced chunks, encoded, each with its range in the flat gradient.
+pub type ReducedChunks = Vec<(Range<usize>, Arc<Vec<u8>>)>;
 
 /// A round attempt: `(step, attempt)`.
 pub type Key = (u64, u32);
@@ -25,8 +42,6 @@ pub struct Round {
     pub lost: u64,
     /// When the attempt is abandoned.
     pub deadline: Instant,
-    /// Whether this replica sent its reduced part.
-    pub reduced_sent: bool,
     /// When this replica froze its gradients for it.
     pub started: Instant,
 }
@@ -38,149 +53,428 @@ impl Round {
     }
 }
 
-/// A part sum and the samples in it.
-type Part = (Vec<f32>, u64);
-
-/// Parts and reduced parts received, by round attempt.
-#[derive(Debug, Default)]
-pub struct Book {
-    parts: HashMap<Key, HashMap<PeerId, Part>>,
-    reduced: HashMap<Key, HashMap<u32, Part>>,
+/// How a gradient of `n` floats is cut for a round of `k` members: part `i` (reduced by
+/// member `i`) is [`reduce::partition`]'s `i`-th range, moved in chunks of `chunk` floats
+/// (at least one chunk per part, empty if the part is).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    parts: Vec<Range<usize>>,
+    chunk: usize,
 }
 
-impl Book {
-    /// Member `from`'s sum of this replica's part (over `count` samples).
-    pub fn add_part(&mut self, key: Key, from: PeerId, sum: Vec<f32>, count: u64) {
-        self.parts
-            .entry(key)
-            .or_default()
-            .insert(from, (sum, count));
-    }
-
-    /// Member `index`'s reduced (averaged) part, over `total` samples.
-    pub fn add_reduced(&mut self, key: Key, index: u32, avg: Vec<f32>, total: u64) {
-        self.reduced
-            .entry(key)
-            .or_default()
-            .insert(index, (avg, total));
-    }
-
-    /// (parts, reduced parts) received for `key`.
-    pub fn counts(&self, key: Key) -> (usize, usize) {
-        (
-            self.parts.get(&key).map_or(0, |m| m.len()),
-            self.reduced.get(&key).map_or(0, |m| m.len()),
-        )
-    }
-
-    /// Every member's sum of this replica's part of an `n`-float gradient, once all arrived
-    /// with the right length.
-    pub fn parts_ready(&self, r: &Round, n: usize) -> Option<Vec<(&[f32], u64)>> {
-        let parts = self.parts.get(&r.key())?;
-        let len = reduce::partition(n, r.members.len()).get(r.index)?.len();
-        r.members
-            .iter()
-            .map(|m| {
-                parts
-                    .get(m)
-                    .filter(|(v, _)| v.len() == len)
-                    .map(|(v, c)| (v.as_slice(), *c))
-            })
-            .collect()
-    }
-
-    /// The whole averaged gradient of `n` floats and its sample count, once every member's
-    /// reduced part arrived with the right length.
-    pub fn assembled(&self, r: &Round, n: usize) -> Option<(Vec<f32>, u64)> {
-        let red = self.reduced.get(&r.key())?;
-        let mut avg = Vec::with_capacity(n);
-        let mut total = 0;
-        for (i, range) in reduce::partition(n, r.members.len()).iter().enumerate() {
-            let (v, t) = red
-                .get(&(i as u32))
-                .filter(|(v, _)| v.len() == range.len())?;
-            avg.extend_from_slice(v);
-            total = *t;
+impl Layout {
+    /// The layout every member of a `k`-member round computes for `n` floats.
+    pub fn new(n: usize, k: usize, chunk: usize) -> Self {
+        Self {
+            parts: reduce::partition(n, k),
+            chunk: chunk.max(1),
         }
-        Some((avg, total))
     }
 
-    /// Forgets the parts of `key` (once reduced they are not needed: a retry is a new
-    /// attempt with new parts).
-    pub fn drop_parts(&mut self, key: Key) {
-        self.parts.remove(&key);
+    /// Members (= parts).
+    pub fn members(&self) -> usize {
+        self.parts.len()
     }
 
-    /// Forgets every attempt of steps up to `step`.
-    pub fn forget_through(&mut self, step: u64) {
-        self.parts.retain(|(s, _), _| *s > step);
-        self.reduced.retain(|(s, _), _| *s > step);
+    /// The range of part `part` in the flat gradient.
+    pub fn part(&self, part: usize) -> Option<Range<usize>> {
+        self.parts.get(part).cloned()
     }
 
-    /// Forgets everything (after a state download).
-    pub fn clear(&mut self) {
-        self.parts.clear();
-        self.reduced.clear();
+    /// Chunks of part `part` (0 for a part that does not exist).
+    pub fn chunks(&self, part: usize) -> u32 {
+        self.parts.get(part).map_or(0, |r| {
+            u32::try_from(r.len().div_ceil(self.chunk).max(1)).unwrap_or(u32::MAX)
+        })
+    }
+
+    /// The range of chunk `c` of part `part` in the flat gradient.
+    pub fn range(&self, part: usize, c: u32) -> Option<Range<usize>> {
+        let p = self.parts.get(part)?;
+        if c >= self.chunks(part) {
+            return None;
+        }
+        let start = p.start + c as usize * self.chunk;
+        Some(start..(start + self.chunk).min(p.end))
+    }
+}
+
+/// A chunk of this replica's part while members' copies of it arrive.
+#[derive(Debug)]
+struct Partial {
+    sum: Vec<f64>,
+    from: Vec<bool>,
+    count: u64,
+}
+
+/// What taking a member's chunk did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Taken {
+    /// Summed; other members' copies are still missing.
+    Waiting,
+    /// Every member's copy is in: the chunk's average over `total` samples.
+    Reduced {
+        /// The chunk.
+        chunk: u32,
+        /// Σ sums ÷ total samples.
+        avg: Vec<f32>,
+        /// Samples of every member.
+        total: u64,
+    },
+    /// Dropped: why.
+    Refused(&'static str),
+}
+
+/// What one replica received for its round in progress.
+#[derive(Debug)]
+pub struct Tally {
+    key: Key,
+    layout: Layout,
+    index: usize,
+    partial: HashMap<u32, Partial>,
+    /// Chunks of this replica's part already reduced.
+    done: Vec<bool>,
+    /// Reduced chunks, encoded, by part and chunk.
+    reduced: Vec<Vec<Option<Arc<Vec<u8>>>>>,
+    missing: usize,
+    total: Option<u64>,
+}
+
+impl Tally {
+    /// Nothing received yet for round `key`, where this replica is member `index`.
+    pub fn new(key: Key, layout: Layout, index: usize) -> Self {
+        let reduced: Vec<Vec<Option<Arc<Vec<u8>>>>> = (0..layout.members())
+            .map(|p| vec![None; layout.chunks(p) as usize])
+            .collect();
+        let missing = reduced.iter().map(Vec::len).sum();
+        Self {
+            key,
+            done: vec![false; layout.chunks(index) as usize],
+            layout,
+            index,
+            partial: HashMap::new(),
+            reduced,
+            missing,
+            total: None,
+        }
+    }
+
+    /// The round attempt.
+    pub fn key(&self) -> Key {
+        self.key
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Member `from`'s sum for chunk `c` of this replica's part, over `count` samples;
+    /// `own` is this replica's sum of the same chunk and its samples.
+    pub fn add_part(
+        &mut self,
+        from: usize,
+        c: u32,
+        count: u64,
+        values: &[f32],
+        own: (&[f32], u64),
+    ) -> Taken {
+        let k = self.layout.members();
+        let Some(range) = self.layout.range(self.index, c) else {
+            return Taken::Refused("no such chunk");
+        };
+        if from >= k || from == self.index {
+            return Taken::Refused("not a member's part");
+        }
+        if values.len() != range.len() || own.0.len() != range.len() {
+            return Taken::Refused("a chunk of the wrong length");
+        }
+        if self.done.get(c as usize).copied().unwrap_or(true) {
+            return Taken::Refused("chunk already reduced");
+        }
+        let p = self.partial.entry(c).or_insert_with(|| Partial {
+            sum: own.0.iter().map(|&x| f64::from(x)).collect(),
+            from: vec![false; k],
+            count: own.1,
+        });
+        if p.from[from] {
+            return Taken::Refused("a member's chunk twice");
+        }
+        p.from[from] = true;
+        p.count += count;
+        for (a, &x) in p.sum.iter_mut().zip(values) {
+            *a += f64::from(x);
+        }
+        if p.from.iter().filter(|&&f| f).count() + 1 < k {
+            return Taken::Waiting;
+        }
+        let Some(p) = self.partial.remove(&c) else {
+            return Taken::Waiting;
+        };
+        self.done[c as usize] = true;
+        Taken::Reduced {
+            chunk: c,
+            avg: reduce::average(&p.sum, p.count),
+            total: p.count,
+        }
+    }
+
+    /// Chunk `c` of this replica's part when it is the only member.
+    pub fn reduce_alone(&mut self, c: u32, own: (&[f32], u64)) -> Taken {
+        if self.layout.members() != 1 || self.done.get(c as usize).copied().unwrap_or(true) {
+            return Taken::Refused("not a round of one");
+        }
+        self.done[c as usize] = true;
+        let sum: Vec<f64> = own.0.iter().map(|&x| f64::from(x)).collect();
+        Taken::Reduced {
+            chunk: c,
+            avg: reduce::average(&sum, own.1),
+            total: own.1,
+        }
+    }
+
+    /// Chunk `c` of the averaged part `part`, encoded, over `total` samples. Returns
+    /// whether it was taken (a duplicate, an unknown chunk, a frame that does not declare
+    /// the chunk's length or a total that disagrees with earlier ones is not).
+    pub fn add_reduced(&mut self, part: usize, c: u32, frame: Arc<Vec<u8>>, total: u64) -> bool {
+        let Some(range) = self.layout.range(part, c) else {
+            return false;
+        };
+        let fits = wire::header::parse_header(&frame, &Limits::default())
+            .is_ok_and(|(h, _)| h.elements() == range.len() && h.frame_len() == frame.len() as u64);
+        if !fits || self.total.is_some_and(|t| t != total) {
+            return false;
+        }
+        let Some(slot) = self
+            .reduced
+            .get_mut(part)
+            .and_then(|p| p.get_mut(c as usize))
+        else {
+            return false;
+        };
+        if slot.is_some() {
+            return false;
+        }
+        *slot = Some(frame);
+        self.total = Some(total);
+        self.missing -= 1;
+        true
+    }
+
+    /// (chunks of this replica's part being summed, reduced chunks still missing).
+    pub fn counts(&self) -> (usize, usize) {
+        (self.partial.len(), self.missing)
+    }
+
+    /// Whether every reduced chunk is in.
+    pub fn complete(&self) -> bool {
+        self.missing == 0
+    }
+
+    /// Every reduced chunk with its range, and the step's samples, once complete.
+    pub fn take_reduced(&mut self) -> Option<(ReducedChunks, u64)> {
+        if !self.complete() {
+            return None;
+        }
+        let mut out = Vec::new();
+        for (part, chunks) in self.reduced.iter_mut().enumerate() {
+            for (c, slot) in chunks.iter_mut().enumerate() {
+                let range = self.layout.range(part, c as u32)?;
+                out.push((range, slot.take()?));
+            }
+        }
+        self.missing = out.len();
+        Some((out, self.total.unwrap_or(0)))
+    }
+}
+
+/// The averaged gradient as its reduced chunks, decoded range by range when the optimizer
+/// reads it: the whole gradient is never decoded at once.
+pub struct Frames {
+    chunks: ReducedChunks,
+    n: usize,
+    /// The chunk decoded last (a parameter's range may end inside it).
+    last: std::cell::RefCell<Option<(usize, Vec<f32>)>>,
+}
+
+impl Frames {
+    /// The reduced chunks of a gradient of `n` floats; they must cover it exactly once.
+    pub fn new(mut chunks: ReducedChunks, n: usize) -> Result<Self, String> {
+        chunks.sort_by_key(|(r, _)| r.start);
+        let mut at = 0;
+        for (r, _) in &chunks {
+            if r.start != at {
+                return Err(format!("reduced chunks leave a gap or overlap at {at}"));
+            }
+            at = r.end;
+        }
+        if at != n {
+            return Err(format!("reduced chunks cover {at} of {n} values"));
+        }
+        Ok(Self {
+            chunks,
+            n,
+            last: std::cell::RefCell::new(None),
+        })
+    }
+
+    fn with_chunk<T>(&self, i: usize, f: impl FnOnce(&[f32]) -> T) -> Result<T, String> {
+        let mut last = self.last.borrow_mut();
+        if last.as_ref().map(|(j, _)| *j) != Some(i) {
+            let (range, frame) = &self.chunks[i];
+            let mut v = last.take().map(|(_, v)| v).unwrap_or_default();
+            wire::decode_f32_into(frame, &Limits::default(), &mut v)
+                .map_err(|e| format!("a reduced chunk does not decode: {e}"))?;
+            if v.len() != range.len() {
+                return Err("a reduced chunk of the wrong length".into());
+            }
+            *last = Some((i, v));
+        }
+        Ok(f(last.as_ref().map_or(&[][..], |(_, v)| v.as_slice())))
+    }
+}
+
+impl FlatSource for Frames {
+    fn len(&self) -> usize {
+        self.n
+    }
+
+    fn read(&self, range: Range<usize>) -> Result<Vec<f32>, ModelError> {
+        if range.end > self.n || range.start > range.end {
+            return Err(ModelError::BadInput(format!(
+                "values {range:?} of a gradient of {}",
+                self.n
+            )));
+        }
+        let mut out = Vec::with_capacity(range.len());
+        let first = self.chunks.partition_point(|(r, _)| r.end <= range.start);
+        for i in first..self.chunks.len() {
+            let c = self.chunks[i].0.clone();
+            if c.start >= range.end {
+                break;
+            }
+            let (a, b) = (range.start.max(c.start), range.end.min(c.end));
+            self.with_chunk(i, |v| out.extend_from_slice(&v[a - c.start..b - c.start]))
+                .map_err(ModelError::BadInput)?;
+        }
+        Ok(out)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::CodecSpec;
 
-    fn round(members: &[PeerId], index: usize) -> Round {
-        Round {
-            step: 4,
-            attempt: 9,
-            members: members.to_vec(),
-            index,
-            lost: 0,
-            deadline: Instant::now(),
-            reduced_sent: false,
-            started: Instant::now(),
+    fn frame(values: &[f32]) -> Arc<Vec<u8>> {
+        let mut f = Vec::new();
+        wire::encode_f32(&[values.len()], values, &CodecSpec::F32, &mut f).unwrap();
+        Arc::new(f)
+    }
+
+    #[test]
+    fn a_layout_cuts_parts_into_chunks_that_cover_everything_once() {
+        let l = Layout::new(25, 3, 4);
+        // Parts of 9, 8, 8 floats: chunks of 4, 4, 1 | 4, 4 | 4, 4.
+        assert_eq!((l.chunks(0), l.chunks(1), l.chunks(2)), (3, 2, 2));
+        assert_eq!(l.range(0, 2), Some(8..9));
+        assert_eq!(l.range(1, 0), Some(9..13));
+        assert_eq!(l.range(1, 2), None);
+        assert_eq!(l.range(3, 0), None);
+        let mut seen = [0; 25];
+        for p in 0..3 {
+            for c in 0..l.chunks(p) {
+                for i in l.range(p, c).unwrap() {
+                    seen[i] += 1;
+                }
+            }
         }
+        assert!(seen.iter().all(|&s| s == 1));
+        // An empty part still has one (empty) chunk, so its reducer still sends something.
+        let tiny = Layout::new(1, 2, 4);
+        assert_eq!((tiny.chunks(1), tiny.range(1, 0)), (1, Some(1..1)));
     }
 
     #[test]
-    fn parts_are_ready_only_when_every_member_sent_the_right_length() {
-        let mut m: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
-        m.sort();
-        let r = round(&m, 1);
-        let n = 10; // parts of 4, 3, 3: this replica reduces the second
-        let mut b = Book::default();
-        assert!(b.parts_ready(&r, n).is_none());
-        b.add_part(r.key(), m[0], vec![1.0; 3], 2);
-        b.add_part(r.key(), m[1], vec![2.0; 3], 3);
-        assert!(b.parts_ready(&r, n).is_none());
-        // A part of another attempt does not count; a wrong length does not either.
-        b.add_part((4, 8), m[2], vec![3.0; 3], 1);
-        assert!(b.parts_ready(&r, n).is_none());
-        b.add_part(r.key(), m[2], vec![3.0; 4], 1);
-        assert!(b.parts_ready(&r, n).is_none());
-        b.add_part(r.key(), m[2], vec![3.0; 3], 1);
-        let ready = b.parts_ready(&r, n).unwrap();
-        assert_eq!(ready.iter().map(|(_, c)| c).sum::<u64>(), 6);
-        assert_eq!(b.counts(r.key()), (3, 0));
-        b.drop_parts(r.key());
-        assert_eq!(b.counts(r.key()), (0, 0));
-        assert_eq!(b.counts((4, 8)), (1, 0));
+    fn a_chunk_is_reduced_when_every_member_sent_it_and_not_twice() {
+        // Three members, this replica is member 1: part 1 is 3..6 of 9, one chunk.
+        let l = Layout::new(9, 3, 4);
+        let mut t = Tally::new((4, 9), l, 1);
+        let own = [3.0f32, 3.0, 3.0];
+        assert_eq!(
+            t.add_part(0, 0, 2, &[1.0, 2.0, 3.0], (&own, 1)),
+            Taken::Waiting
+        );
+        assert!(matches!(
+            t.add_part(0, 0, 2, &[1.0, 2.0, 3.0], (&own, 1)),
+            Taken::Refused(_)
+        ));
+        assert!(matches!(
+            t.add_part(2, 0, 1, &[1.0], (&own, 1)),
+            Taken::Refused(_)
+        ));
+        assert!(matches!(
+            t.add_part(1, 0, 1, &[1.0; 3], (&own, 1)),
+            Taken::Refused(_)
+        ));
+        assert_eq!(
+            t.add_part(2, 0, 1, &[4.0, 3.0, 2.0], (&own, 1)),
+            Taken::Reduced {
+                chunk: 0,
+                avg: vec![2.0, 2.0, 2.0],
+                total: 4
+            }
+        );
+        assert!(matches!(
+            t.add_part(2, 0, 1, &[4.0, 3.0, 2.0], (&own, 1)),
+            Taken::Refused(_)
+        ));
+        assert_eq!(t.counts(), (0, 3));
     }
 
     #[test]
-    fn the_gradient_is_assembled_in_member_order() {
-        let mut m: Vec<PeerId> = (0..2).map(|_| PeerId::random()).collect();
-        m.sort();
-        let r = round(&m, 0);
-        let mut b = Book::default();
-        b.add_reduced(r.key(), 1, vec![2.0; 2], 6);
-        assert!(b.assembled(&r, 5).is_none());
-        b.add_reduced(r.key(), 0, vec![1.0; 3], 6);
-        assert_eq!(b.assembled(&r, 5), Some((vec![1.0, 1.0, 1.0, 2.0, 2.0], 6)));
-        b.add_reduced((5, 1), 0, vec![0.0; 3], 1);
-        b.forget_through(4);
-        assert_eq!(b.counts(r.key()), (0, 0));
-        assert_eq!(b.counts((5, 1)), (0, 1));
-        b.clear();
-        assert_eq!(b.counts((5, 1)), (0, 0));
+    fn the_gradient_is_assembled_once_every_reduced_chunk_is_in() {
+        let l = Layout::new(5, 2, 2);
+        // Parts 0..3 (chunks 0..2, 2..3) and 3..5 (one chunk).
+        let mut t = Tally::new((1, 1), l, 0);
+        assert!(t.add_reduced(1, 0, frame(&[4.0, 5.0]), 6));
+        assert!(!t.add_reduced(1, 0, frame(&[4.0, 5.0]), 6), "duplicate");
+        assert!(!t.add_reduced(0, 0, frame(&[1.0]), 6), "wrong length");
+        assert!(!t.add_reduced(0, 0, frame(&[1.0, 2.0]), 7), "other total");
+        assert!(!t.add_reduced(0, 5, frame(&[1.0, 2.0]), 6), "no such chunk");
+        assert!(t.add_reduced(0, 0, frame(&[1.0, 2.0]), 6));
+        assert!(!t.complete());
+        assert!(t.take_reduced().is_none());
+        assert!(t.add_reduced(0, 1, frame(&[3.0]), 6));
+        let (chunks, total) = t.take_reduced().unwrap();
+        assert_eq!(total, 6);
+        assert!(Frames::new(chunks[1..].to_vec(), 5).is_err(), "a gap");
+        let f = Frames::new(chunks, 5).unwrap();
+        assert_eq!(f.read(0..5).unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0]);
+        // Ranges across chunk boundaries, in any order.
+        assert_eq!(f.read(3..5).unwrap(), vec![4.0, 5.0]);
+        assert_eq!(f.read(1..4).unwrap(), vec![2.0, 3.0, 4.0]);
+        assert_eq!(f.read(2..2).unwrap(), Vec::<f32>::new());
+        assert!(f.read(4..6).is_err());
+    }
+
+    #[test]
+    fn a_round_of_one_reduces_its_own_sum() {
+        let l = Layout::new(3, 1, 2);
+        let mut t = Tally::new((0, 1), l, 0);
+        let own = [2.0f32, 4.0, 6.0];
+        let r = t.reduce_alone(1, (&own[2..], 2));
+        assert_eq!(
+            r,
+            Taken::Reduced {
+                chunk: 1,
+                avg: vec![3.0],
+                total: 2
+            }
+        );
+        assert!(matches!(
+            t.reduce_alone(1, (&own[2..], 2)),
+            Taken::Refused(_)
+        ));
     }
 }

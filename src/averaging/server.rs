@@ -1,16 +1,17 @@
 //! The replica's side of averaging and state download: it takes averaging messages into the
 //! averager's bounded inbox and answers `state_info` / `state_chunk` from a snapshot of
-//! the replica. Registered with the stage service as its [`Extension`]; the client side of
+//! the replica spilled to disk ([`super::spill`]). Registered with the stage service as its [`Extension`]; the client side of
 //! state download is [`super::sync`], and both use [`super::sync::chunk_hash`].
 
-use super::sync::{chunk_hash, root_hash};
-use crate::stage::replica::{Replica, Snapshot};
+use super::spill::Spill;
+use crate::stage::replica::Replica;
 use crate::stage::service::{Answer, Extension, Refusal};
 use crate::wire::msg::{AvgMsg, ErrorKind, Op, Request, StateInfo, HASH_PAGE};
 use crate::wire::CodecSpec;
 use futures::future::BoxFuture;
 use libp2p::PeerId;
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -42,6 +43,30 @@ pub struct Inbox {
     /// The replica's applied step, as the averager last saw it: parts and reduced parts
     /// are for rounds of this step only.
     pub step: Arc<AtomicU64>,
+    /// Round attempts of this step that are over (abandoned or applied): their parts are
+    /// refused.
+    pub closed: Arc<Mutex<VecDeque<(u64, u32)>>>,
+}
+
+/// Attempts remembered as over.
+const CLOSED_KEPT: usize = 16;
+
+impl Inbox {
+    /// Marks attempt `key` as over: its late parts are refused from now on.
+    pub fn close(&self, key: (u64, u32)) {
+        let mut c = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        c.push_back(key);
+        while c.len() > CLOSED_KEPT {
+            c.pop_front();
+        }
+    }
+
+    fn is_closed(&self, key: (u64, u32)) -> bool {
+        self.closed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&key)
+    }
 }
 
 impl Inbox {
@@ -52,6 +77,7 @@ impl Inbox {
             tx,
             budget: Arc::new(Semaphore::new(units)),
             step: Arc::new(AtomicU64::new(0)),
+            closed: Arc::new(Mutex::new(VecDeque::new())),
         }
     }
 }
@@ -61,8 +87,7 @@ const SNAPSHOTS_KEPT: usize = 2;
 
 struct SnapshotEntry {
     info: StateInfo,
-    hashes: Vec<String>,
-    snap: Snapshot,
+    spill: Spill,
 }
 
 /// Answers averaging and state calls for one replica.
@@ -71,17 +96,20 @@ pub struct AvgServer {
     replica: Arc<tokio::sync::Mutex<Replica>>,
     /// Floats per state chunk.
     chunk: usize,
+    /// Where snapshots are spilled.
+    dir: PathBuf,
     snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
 }
 
 impl AvgServer {
     /// A server that puts averaging messages into `inbox` and offers snapshots of
-    /// `replica` in chunks of `chunk` floats.
+    /// `replica` in chunks of `chunk` floats, spilled to the temporary directory.
     pub fn new(inbox: Inbox, replica: Arc<tokio::sync::Mutex<Replica>>, chunk: usize) -> Self {
         Self {
             inbox,
             replica,
             chunk: chunk.max(1),
+            dir: std::env::temp_dir(),
             snapshots: Mutex::new(VecDeque::new()),
         }
     }
@@ -97,12 +125,25 @@ impl AvgServer {
                 "avg request without a message",
             ));
         };
-        if let AvgMsg::Part { step, .. } | AvgMsg::Reduced { step, .. } = &msg {
+        if let AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } = &msg {
             let now = self.inbox.step.load(Ordering::Relaxed);
-            if *step != now {
+            if *step < now {
                 return Err(Refusal::new(
                     ErrorKind::StaleStep,
                     format!("a part for step {step}, but this replica averages step {now}"),
+                ));
+            }
+            if *step > now {
+                // About to apply step `now`: the sender tries again shortly.
+                return Err(Refusal::new(
+                    ErrorKind::Overloaded,
+                    format!("a part for step {step}, but this replica is still at step {now}"),
+                ));
+            }
+            if self.inbox.is_closed((*step, *attempt)) {
+                return Err(Refusal::new(
+                    ErrorKind::StaleStep,
+                    format!("a part for attempt {attempt} of step {step}, which is over"),
                 ));
             }
         }
@@ -128,37 +169,51 @@ impl AvgServer {
         Ok(Answer::default())
     }
 
+    /// Offers the state at the replica's current step: the newest snapshot if it is of
+    /// that step, else a new one spilled to disk (the replica is locked while it is
+    /// written, so it is one step's).
     async fn state_info(&self) -> Result<Answer, Refusal> {
-        let replica = Arc::clone(&self.replica);
-        let snap = tokio::task::spawn_blocking(move || replica.blocking_lock().snapshot())
-            .await
-            .map_err(|e| Refusal::new(ErrorKind::Internal, e.to_string()))?
-            .map_err(|e| Refusal::new(ErrorKind::Internal, e.to_string()))?;
-        let hashes: Vec<String> = snap.flat.chunks(self.chunk).map(chunk_hash).collect();
-        let info = StateInfo {
-            step: snap.step,
-            len: snap.flat.len() as u64,
-            chunk: self.chunk as u64,
-            chunks: hashes.len() as u64,
-            root: root_hash(&hashes),
-            params_hash: snap.params_hash.clone(),
-            samples_applied: snap.samples_applied,
-            samples_lost: snap.samples_lost,
-        };
-        {
-            let mut cache = self.snapshots();
-            cache.retain(|e| e.info.step != info.step);
-            cache.push_back(Arc::new(SnapshotEntry {
-                info: info.clone(),
-                hashes,
-                snap,
-            }));
-            while cache.len() > SNAPSHOTS_KEPT {
-                cache.pop_front();
+        let internal = |e: String| Refusal::new(ErrorKind::Internal, e);
+        let newest = self.snapshots().back().cloned();
+        let cached_step = newest.as_ref().map(|e| e.info.step);
+        let (replica, chunk, dir) = (Arc::clone(&self.replica), self.chunk, self.dir.clone());
+        let spill = tokio::task::spawn_blocking(move || {
+            let r = replica.blocking_lock();
+            if Some(r.params_step()) == cached_step {
+                return Ok(None);
             }
-        }
+            Spill::write(&r, chunk, &dir).map(Some)
+        })
+        .await
+        .map_err(|e| internal(e.to_string()))?
+        .map_err(|e| internal(e.to_string()))?;
+        let entry = match (spill, newest) {
+            (Some(spill), _) => {
+                let meta = spill.meta();
+                let info = StateInfo {
+                    step: meta.step,
+                    len: spill.len() as u64,
+                    chunk: self.chunk as u64,
+                    chunks: spill.hashes().len() as u64,
+                    root: spill.root(),
+                    params_hash: meta.params_hash.clone(),
+                    samples_applied: meta.samples_applied,
+                    samples_lost: meta.samples_lost,
+                };
+                let entry = Arc::new(SnapshotEntry { info, spill });
+                let mut cache = self.snapshots();
+                cache.retain(|e| e.info.step != entry.info.step);
+                cache.push_back(Arc::clone(&entry));
+                while cache.len() > SNAPSHOTS_KEPT {
+                    cache.pop_front();
+                }
+                entry
+            }
+            (None, Some(newest)) => newest,
+            (None, None) => return Err(internal("no snapshot".into())),
+        };
         Ok(Answer {
-            state: Some(info),
+            state: Some(entry.info.clone()),
             ..Answer::default()
         })
     }
@@ -190,39 +245,42 @@ impl AvgServer {
 
     fn state_hashes(&self, req: &Request) -> Result<Answer, Refusal> {
         let (entry, page) = self.entry(req)?;
+        let hashes = entry.spill.hashes();
         let start = page.saturating_mul(HASH_PAGE);
-        if start >= entry.hashes.len() {
+        if start >= hashes.len() {
             return Err(Refusal::new(
                 ErrorKind::BadRequest,
                 "hash page index out of range",
             ));
         }
-        let end = (start + HASH_PAGE).min(entry.hashes.len());
+        let end = (start + HASH_PAGE).min(hashes.len());
         Ok(Answer {
-            hashes: Some(entry.hashes[start..end].to_vec()),
+            hashes: Some(hashes[start..end].to_vec()),
             ..Answer::default()
         })
     }
 
-    fn state_chunk(&self, req: &Request) -> Result<Answer, Refusal> {
+    async fn state_chunk(&self, req: &Request) -> Result<Answer, Refusal> {
         let (entry, index) = self.entry(req)?;
-        let flat = &entry.snap.flat;
         let start = index.saturating_mul(self.chunk);
-        if start >= flat.len() {
+        if start >= entry.spill.len() {
             return Err(Refusal::new(
                 ErrorKind::BadRequest,
                 "chunk index out of range",
             ));
         }
-        let end = (start + self.chunk).min(flat.len());
-        let mut frame = Vec::new();
-        crate::wire::encode_f32(
-            &[end - start],
-            &flat[start..end],
-            &CodecSpec::F32,
-            &mut frame,
-        )
-        .map_err(|e| Refusal::new(ErrorKind::Internal, e.to_string()))?;
+        let end = start + self.chunk;
+        let frame = tokio::task::spawn_blocking(move || {
+            let values = entry.spill.read(start, end).map_err(|e| e.to_string())?;
+            let mut frame = Vec::new();
+            crate::wire::encode_f32(&[values.len()], &values, &CodecSpec::F32, &mut frame)
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(frame)
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r)
+        .map_err(|e| Refusal::new(ErrorKind::Internal, e))?;
         Ok(Answer {
             frames: vec![frame],
             ..Answer::default()
@@ -241,7 +299,7 @@ impl Extension for AvgServer {
             match req.op {
                 Op::Avg => self.message(peer, req, frames),
                 Op::StateInfo => self.state_info().await,
-                Op::StateChunk => self.state_chunk(&req),
+                Op::StateChunk => self.state_chunk(&req).await,
                 Op::StateHashes => self.state_hashes(&req),
                 other => Err(Refusal::new(
                     ErrorKind::BadRequest,
@@ -281,6 +339,7 @@ mod tests {
                 step,
                 attempt: 1,
                 count: 4,
+                chunk: 0,
             }),
             chunk: None,
         }
@@ -291,11 +350,11 @@ mod tests {
         let (srv, mut rx, inbox) = server(8 * BUDGET_UNIT);
         let peer = PeerId::random();
         inbox.step.store(3, Ordering::Relaxed);
-        for step in [2, 4] {
+        for (step, kind) in [(2, ErrorKind::StaleStep), (4, ErrorKind::Overloaded)] {
             let e = srv
                 .message(peer, part(step), vec![vec![0u8; 100]])
                 .unwrap_err();
-            assert_eq!(e.kind, ErrorKind::StaleStep);
+            assert_eq!(e.kind, kind);
             assert!(e.message.contains(&format!("step {step}")), "{}", e.message);
         }
         assert_eq!(
@@ -316,6 +375,11 @@ mod tests {
         assert_eq!(inbox.budget.available_permits(), 8);
         srv.message(peer, part(3), vec![vec![0u8; 4 * BUDGET_UNIT]])
             .unwrap();
+        // An attempt that is over takes nothing either.
+        inbox.close((3, 1));
+        let e = srv.message(peer, part(3), vec![vec![0u8; 10]]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::StaleStep);
+        assert!(e.message.contains("attempt 1"), "{}", e.message);
         // Control messages are not tied to a step.
         let mut leave = part(0);
         leave.avg = Some(AvgMsg::Leave { pending: 1 });

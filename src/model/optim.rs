@@ -34,6 +34,30 @@ pub struct StepStats {
     pub clipped: bool,
 }
 
+/// A flat f32 vector read in ranges: a slice, or values decoded on demand.
+pub trait FlatSource {
+    /// Values in the vector.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Values `range`.
+    fn read(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>, ModelError>;
+}
+
+impl FlatSource for &[f32] {
+    fn len(&self) -> usize {
+        <[f32]>::len(self)
+    }
+
+    fn read(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>, ModelError> {
+        self.get(range)
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| ModelError::BadInput("a range past the end of the gradient".into()))
+    }
+}
+
 /// AdamW state for one stage's parameters.
 #[derive(Debug, Clone)]
 pub struct AdamW {
@@ -106,6 +130,34 @@ impl AdamW {
         Ok(())
     }
 
+    /// Replaces the state with flat first and second moments (f32, in parameter order),
+    /// one tensor at a time.
+    pub fn restore_flat(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
+        let n: usize = self.m.iter().map(|t| t.elem_count()).sum();
+        if m.len() != n || v.len() != n {
+            return Err(ModelError::BadInput(
+                "optimizer state does not match the parameters".into(),
+            ));
+        }
+        let mut at = 0;
+        for i in 0..self.m.len() {
+            let like = &self.m[i];
+            let k = like.elem_count();
+            let make = |src: &[f32]| -> Result<Tensor, ModelError> {
+                Ok(
+                    Tensor::from_slice(&src[at..at + k], like.dims(), like.device())?
+                        .to_dtype(like.dtype())?,
+                )
+            };
+            let (mi, vi) = (make(m)?, make(v)?);
+            self.m[i] = mi;
+            self.v[i] = vi;
+            at += k;
+        }
+        self.step = step;
+        Ok(())
+    }
+
     /// Clips `grads` to the configured norm and applies one AdamW update to `params`.
     pub fn step(&mut self, params: &ParamSet, grads: &[Tensor]) -> Result<StepStats, ModelError> {
         if grads.len() != params.len() {
@@ -115,8 +167,62 @@ impl AdamW {
                 params.len()
             )));
         }
-        let c = &self.cfg;
         let grad_norm = global_norm(grads)?;
+        self.update(params, grad_norm, |i| Ok(grads[i].clone()))
+    }
+
+    /// [`Self::step`] with the gradient as one flat vector in parameter order (as averaging
+    /// produces it), read from `flat` one parameter at a time: the gradient is never held
+    /// whole beside the parameters when `flat` decodes on demand. Every range is read
+    /// once for the norm before anything is updated, so a source that fails, fails before
+    /// the parameters change.
+    pub fn step_flat(
+        &mut self,
+        params: &ParamSet,
+        flat: &dyn FlatSource,
+    ) -> Result<StepStats, ModelError> {
+        if flat.len() != params.numel() {
+            return Err(ModelError::BadInput(format!(
+                "{} gradient values for {} parameters",
+                flat.len(),
+                params.numel()
+            )));
+        }
+        let starts: Vec<usize> = params
+            .vars()
+            .iter()
+            .scan(0, |at, v| {
+                let s = *at;
+                *at += v.elem_count();
+                Some(s)
+            })
+            .collect();
+        let grad = |i: usize| -> Result<Tensor, ModelError> {
+            let var = &params.vars()[i];
+            let s = starts[i];
+            let values = flat.read(s..s + var.elem_count())?;
+            Ok(Tensor::from_vec(values, var.dims(), var.device())?.to_dtype(var.dtype())?)
+        };
+        // The same norm `global_norm` computes, one tensor at a time.
+        let mut sum = 0.0f64;
+        for i in 0..params.len() {
+            sum += grad(i)?
+                .sqr()?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+        }
+        self.update(params, sum.sqrt(), grad)
+    }
+
+    /// One AdamW update of every parameter, with gradient `grad(i)` of parameter `i`.
+    fn update(
+        &mut self,
+        params: &ParamSet,
+        grad_norm: f64,
+        grad: impl Fn(usize) -> Result<Tensor, ModelError>,
+    ) -> Result<StepStats, ModelError> {
+        let c = &self.cfg;
         let scale = if c.grad_clip > 0.0 && grad_norm > c.grad_clip {
             c.grad_clip / grad_norm
         } else {
@@ -127,11 +233,12 @@ impl AdamW {
         let t = self.step as i32;
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2 = 1.0 - c.beta2.powi(t);
-        for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
+        for (i, var) in params.vars().iter().enumerate() {
+            let g = grad(i)?;
             let g = if scale < 1.0 {
                 g.affine(scale, 0.0)?
             } else {
-                g.clone()
+                g
             };
             let m = (self.m[i].affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
             let v = (self.v[i].affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;

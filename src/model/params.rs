@@ -107,6 +107,20 @@ impl ParamSet {
         self.hash_values(&values)
     }
 
+    /// The hash these parameters would have holding `flat` (f32, in parameter order):
+    /// [`Self::hash`] of f32 values read straight from a downloaded state.
+    pub fn hash_flat(&self, flat: &[f32]) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut at = 0;
+        for (name, v) in self.names.iter().zip(&self.vars) {
+            h.update(name.as_bytes());
+            let k = v.elem_count().min(flat.len().saturating_sub(at));
+            h.update(bytemuck::cast_slice(&flat[at..at + k]));
+            at += k;
+        }
+        h.digest()
+    }
+
     /// The hash these parameters would have holding `values` (in parameter order): lets a
     /// downloaded state be checked before it replaces anything.
     pub fn hash_values(&self, values: &[&Tensor]) -> candle_core::Result<u64> {

@@ -180,7 +180,7 @@ impl StageClient {
         &self,
         peer: PeerId,
         req: &Request,
-        frames: &[Vec<u8>],
+        frames: &[&[u8]],
     ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
         if let Some(stream) = self.pooled(peer) {
             let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
@@ -255,7 +255,7 @@ impl StageClient {
         &self,
         peer: PeerId,
         req: &Request,
-        frames: &[Vec<u8>],
+        frames: &[&[u8]],
     ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
         for f in frames {
             netio::check_frame_len(f.len() as u64, &self.limits)?;
@@ -307,7 +307,7 @@ impl StageClient {
     ) -> Result<(Tensor, u64), CallError> {
         let frame = tensor::encode(input, &self.codec)?;
         let req = self.request(stage, step, mb, Op::Forward, 1);
-        let (header, frames) = self.call(peer, &req, &[frame]).await?;
+        let (header, frames) = self.call(peer, &req, &[frame.as_slice()]).await?;
         let f = frames
             .first()
             .ok_or_else(|| CallError::Protocol("forward reply has no tensor".into()))?;
@@ -332,7 +332,9 @@ impl StageClient {
             tensor::encode(upstream, &self.codec)?,
         ];
         let req = self.request(stage, step, mb, Op::Backward, 2);
-        let (header, frames) = self.call(peer, &req, &frames).await?;
+        let (header, frames) = self
+            .call(peer, &req, &[frames[0].as_slice(), frames[1].as_slice()])
+            .await?;
         let grad_input = match frames.first() {
             Some(f) => Some(tensor::decode(f, &self.limits, &self.device)?.tensor),
             None => None,
@@ -354,9 +356,9 @@ impl StageClient {
         peer: PeerId,
         stage: usize,
         msg: AvgMsg,
-        frame: Option<Vec<u8>>,
+        frame: Option<&[u8]>,
     ) -> Result<(), CallError> {
-        let frames: Vec<Vec<u8>> = frame.into_iter().collect();
+        let frames: Vec<&[u8]> = frame.into_iter().collect();
         let mut req = self.request(stage, 0, 0, Op::Avg, frames.len() as u8);
         req.avg = Some(msg);
         self.call(peer, &req, &frames).await.map(|_| ())
@@ -422,7 +424,7 @@ impl StageClient {
 pub async fn exchange_kept(
     stream: libp2p::Stream,
     req: &Request,
-    frames: &[Vec<u8>],
+    frames: &[&[u8]],
     limits: &Limits,
     sending: &tokio::sync::Semaphore,
 ) -> (
@@ -437,7 +439,7 @@ pub async fn exchange_kept(
 pub async fn exchange(
     stream: libp2p::Stream,
     req: &Request,
-    frames: &[Vec<u8>],
+    frames: &[&[u8]],
     limits: &Limits,
 ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
     exchange_on(stream, req, frames, limits, None).await.0
@@ -450,7 +452,7 @@ pub async fn exchange(
 async fn exchange_on(
     stream: libp2p::Stream,
     req: &Request,
-    frames: &[Vec<u8>],
+    frames: &[&[u8]],
     limits: &Limits,
     sending: Option<&tokio::sync::Semaphore>,
 ) -> (
@@ -458,7 +460,6 @@ async fn exchange_on(
     Option<libp2p::Stream>,
 ) {
     let (mut r, mut w) = stream.split();
-    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
     let mut wrote = false;
     let result = {
         let write = async {
@@ -466,7 +467,7 @@ async fn exchange_on(
                 Some(s) => s.acquire().await.ok(),
                 None => None,
             };
-            netio::write_message(&mut w, req, &refs).await?;
+            netio::write_message(&mut w, req, frames).await?;
             if sending.is_none() {
                 w.close().await.map_err(IoError::from)?;
             }

@@ -10,6 +10,7 @@
 
 use super::sim::SimCompute;
 use crate::config::RunConfig;
+use crate::model::optim::FlatSource;
 use crate::model::stage::Kept;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use candle_core::Tensor;
@@ -18,6 +19,10 @@ use std::sync::{Arc, Mutex};
 
 /// Forward graphs kept for their backward, unless [`Replica::with_kept_cap`] says otherwise.
 pub const KEPT_CAP: usize = 32;
+
+/// Stages of at least this many parameters give freed memory back to the OS after each
+/// backward and each step ([`crate::release_memory`]); smaller ones keep it for speed.
+const RELEASE_NUMEL: usize = 1 << 24;
 
 /// Microbatch ids remembered for at-most-once accumulation.
 const SEEN_CAP: usize = 1 << 16;
@@ -258,7 +263,9 @@ impl Replica {
 
     /// Backward of microbatch `mb` (`samples` sequences), through its kept forward when
     /// this replica ran it, else recomputing; accumulates the parameter gradients unless
-    /// this replica already accumulated `mb`.
+    /// this replica already accumulated `mb`. The gradients returned hold the loss and the
+    /// input gradient only: the parameter gradients are freed here, not held beside the
+    /// accumulator while the answer is sent.
     pub fn backward(
         &mut self,
         input: &Tensor,
@@ -281,17 +288,25 @@ impl Replica {
             (None, None) => self.stage.backward(input, upstream)?,
         };
         let n = input.dims().first().copied().unwrap_or(0) as u64;
-        let fresh = self.acc().admit(mb);
-        if !fresh {
+        let numel = self.numel;
+        let mut g = g;
+        let grads = std::mem::take(&mut g.grads);
+        let mut acc = self.acc();
+        if !acc.admit(mb) {
             return Ok((g, false));
         }
-        let weighted: Vec<Tensor> = g
-            .grads
-            .iter()
-            .map(|t| t.affine(n as f64, 0.0))
-            .collect::<candle_core::Result<_>>()?;
-        self.acc().add(n, weighted)?;
+        acc.add(n, &grads, numel)?;
+        drop(acc);
+        drop(grads);
+        self.release_if_large();
         Ok((g, true))
+    }
+
+    /// After a gradient-sized free on a large stage, gives freed memory back at once.
+    fn release_if_large(&self) {
+        if self.numel >= RELEASE_NUMEL {
+            crate::release_memory();
+        }
     }
 
     /// Freezes the gradients of step `step` (the current `params_step`) and returns their
@@ -307,7 +322,7 @@ impl Replica {
     pub fn apply(
         &mut self,
         step: u64,
-        avg: &[f32],
+        avg: &dyn FlatSource,
         samples: u64,
         lost: u64,
     ) -> Result<(), ModelError> {
@@ -317,15 +332,16 @@ impl Replica {
                 self.params_step
             )));
         }
-        let like: Vec<Tensor> = self
-            .stage
-            .params()
-            .vars()
-            .iter()
-            .map(|v| v.as_tensor().clone())
-            .collect();
-        let grads = unflatten(avg, &like)?;
-        self.opt.step(self.stage.params(), &grads)?;
+        if avg.len() != self.numel {
+            return Err(ModelError::BadInput(format!(
+                "an averaged gradient of {} values for {} parameters",
+                avg.len(),
+                self.numel
+            )));
+        }
+        // The frozen sum is no longer needed: free it before the update's temporaries.
+        self.acc().frozen = None;
+        self.opt.step_flat(self.stage.params(), avg)?;
         self.params_step += 1;
         self.samples_applied += samples;
         self.samples_lost += lost;
@@ -337,6 +353,7 @@ impl Replica {
         self.params_hash = hash_of(&self.stage)?;
         self.history
             .push((self.params_step, self.params_hash.clone()));
+        self.release_if_large();
         Ok(())
     }
 
@@ -356,6 +373,31 @@ impl Replica {
         Ok(Snapshot {
             step: self.params_step,
             flat,
+            params_hash: self.params_hash.clone(),
+            samples_applied: self.samples_applied,
+            samples_lost: self.samples_lost,
+        })
+    }
+
+    /// Streams the whole state (parameters, then first moments, then second moments, in
+    /// parameter order, as f32) to `sink`, one tensor at a time: a copy of the state is
+    /// never held in memory. Returns the snapshot's metadata (its `flat` left empty).
+    pub fn write_state(
+        &self,
+        sink: &mut dyn FnMut(&[f32]) -> std::io::Result<()>,
+    ) -> Result<Snapshot, ModelError> {
+        let (m, v) = self.opt.moments();
+        let params = self.stage.params().vars().iter().map(|v| v.as_tensor());
+        for t in params.chain(m.iter()).chain(v.iter()) {
+            let flat = t
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?;
+            sink(&flat).map_err(|e| ModelError::BadInput(format!("writing the state: {e}")))?;
+        }
+        Ok(Snapshot {
+            step: self.params_step,
+            flat: Vec::new(),
             params_hash: self.params_hash.clone(),
             samples_applied: self.samples_applied,
             samples_lost: self.samples_lost,
@@ -382,25 +424,26 @@ impl Replica {
                 snap.flat.len()
             )));
         }
-        let vars = self.stage.params().vars();
-        let like: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let params = unflatten(&snap.flat[..n], &like)?;
         // Check the parameters against the hash the donors announced before anything is
         // replaced: a bad download never becomes the replica's state.
-        let refs: Vec<&Tensor> = params.iter().collect();
-        let hash = format!("{:016x}", self.stage.params().hash_values(&refs)?);
+        let hash = format!("{:016x}", self.stage.params().hash_flat(&snap.flat[..n]));
         if hash != snap.params_hash {
             return Err(ModelError::BadInput(format!(
                 "the downloaded parameters hash to {hash}, not the donors' {}",
                 snap.params_hash
             )));
         }
-        let m = unflatten(&snap.flat[n..2 * n], &like)?;
-        let v = unflatten(&snap.flat[2 * n..], &like)?;
-        for (var, p) in vars.iter().zip(&params) {
-            var.set(p)?;
+        // One tensor at a time, so the state is never held twice beside the download.
+        let mut at = 0;
+        for var in self.stage.params().vars() {
+            let k = var.elem_count();
+            let t = Tensor::from_slice(&snap.flat[at..at + k], var.dims(), var.device())?
+                .to_dtype(var.dtype())?;
+            var.set(&t)?;
+            at += k;
         }
-        self.opt.restore(snap.step, m, v)?;
+        self.opt
+            .restore_flat(snap.step, &snap.flat[n..2 * n], &snap.flat[2 * n..])?;
         self.params_step = snap.step;
         self.samples_applied = snap.samples_applied;
         self.samples_lost = snap.samples_lost;
@@ -426,7 +469,7 @@ impl Replica {
 /// microbatch ids already taken (each is accumulated at most once).
 #[derive(Default)]
 pub struct Accum {
-    sum: Option<Vec<Tensor>>,
+    sum: Option<Vec<f32>>,
     count: u64,
     frozen: Option<Frozen>,
     params_step: u64,
@@ -435,17 +478,29 @@ pub struct Accum {
 }
 
 impl Accum {
-    /// Adds a microbatch's `samples × mean gradient` (one tensor per parameter).
-    fn add(&mut self, samples: u64, weighted: Vec<Tensor>) -> Result<(), ModelError> {
-        let sum = match &self.sum {
-            None => weighted,
-            Some(acc) => acc
-                .iter()
-                .zip(&weighted)
-                .map(|(a, b)| a + b)
-                .collect::<candle_core::Result<_>>()?,
-        };
-        self.sum = Some(sum);
+    /// Adds a microbatch's gradients (one tensor per parameter, the mean over its
+    /// `samples` samples) times `samples` into the running sum of `numel` floats, in
+    /// place, one tensor at a time.
+    fn add(&mut self, samples: u64, grads: &[Tensor], numel: usize) -> Result<(), ModelError> {
+        let have: usize = grads.iter().map(|t| t.elem_count()).sum();
+        if have != numel {
+            return Err(ModelError::BadInput(format!(
+                "{have} gradient values for {numel} parameters"
+            )));
+        }
+        let sum = self.sum.get_or_insert_with(|| vec![0.0; numel]);
+        let w = samples as f32;
+        let mut at = 0;
+        for t in grads {
+            let g = t
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?;
+            for (s, x) in sum[at..at + g.len()].iter_mut().zip(&g) {
+                *s += w * x;
+            }
+            at += g.len();
+        }
         self.count += samples;
         Ok(())
     }
@@ -493,10 +548,7 @@ impl Accum {
                 return Ok(f.clone());
             }
         }
-        let sum = match self.sum.take() {
-            Some(acc) => flatten(&acc)?,
-            None => vec![0.0; numel],
-        };
+        let sum = self.sum.take().unwrap_or_else(|| vec![0.0; numel]);
         let f = Frozen {
             step,
             sum: Arc::new(sum),

@@ -5,11 +5,13 @@
 //! Forward sleeps a third of `sim_ms_per_sample` per sample, backward two thirds (the usual
 //! 1:2 split of a transformer), and a backward that must recompute its forward (the last
 //! stage, whose forward is fused into its backward, or a replica that swapped in) sleeps
-//! both, as a real stage would compute both. The time is counted from the call's start, so
-//! the tensor work done here is inside it, not added to it. Outputs are Gaussian noise of the real activation shape on
+//! both, as a real stage would compute both. Forward's time is counted from the call's
+//! start, so its tensor work is inside it; backward makes its gradients after its time,
+//! as a real backward ends with them. Outputs are Gaussian noise of the real activation shape on
 //! stage 0, the input passed through on later stages (logit-sized noise on the last);
 //! backward returns a gradient of the input's shape (the upstream one passed through, or
-//! small noise from the last stage) and zero parameter gradients, which still flow through
+//! small noise from the last stage) and parameter gradients proportional to the
+//! parameters (of the real size, not compressible to nothing), which flow through
 //! accumulation, averaging and the optimizer like real ones. Nothing here is on the path
 //! of a real run: `shoal peer` refuses a `sim` manifest unless given `--allow-sim`.
 
@@ -17,6 +19,10 @@ use crate::config::{RunConfig, StageKind};
 use crate::model::{ModelError, Stage, StageGrads, Upstream};
 use candle_core::{DType, Tensor};
 use std::time::{Duration, Instant};
+
+/// A sim stage's parameter gradients are its parameters times this: cheap, of the real
+/// size, and as incompressible as real gradients (zeros would make every codec look free).
+const SIM_GRAD_SCALE: f64 = 1e-3;
 
 /// A sim stage's timing and shapes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -92,14 +98,15 @@ impl SimCompute {
         recompute: bool,
     ) -> Result<StageGrads, ModelError> {
         let start = Instant::now();
-        let out = self.backward_now(stage, input, upstream);
         let time = if recompute {
             self.forward + self.backward
         } else {
             self.backward
         };
+        // The parameter gradients appear at the end, as a real backward's do: they are not
+        // held through the sleep.
         Self::finish(start, time, input);
-        out
+        self.backward_now(stage, input, upstream)
     }
 
     fn backward_now(
@@ -112,7 +119,7 @@ impl SimCompute {
             .params()
             .vars()
             .iter()
-            .map(|v| v.as_tensor().zeros_like())
+            .map(|v| v.as_tensor().affine(SIM_GRAD_SCALE, 0.0))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let grad_input = if stage.is_first() {
             None

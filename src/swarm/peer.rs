@@ -14,7 +14,7 @@
 //! replicas there.
 
 use super::events::{Event, Observer};
-use super::serving::{peers_of, rebalance_loop, slot_lock, Ctx, Slot};
+use super::serving::{rebalance_loop, slot_lock, Ctx, Slot};
 use crate::averaging::sync::{SyncError, SyncReport};
 use crate::averaging::AvgStats;
 use crate::config::StageKind;
@@ -181,6 +181,8 @@ pub struct Peer {
     /// Held for the whole of a migration, so that stopping waits for one to finish.
     moving: Arc<tokio::sync::Mutex<()>>,
     rebalancer: Option<tokio::task::JoinHandle<()>>,
+    /// Republishes the run's manifest.
+    manifest_keeper: tokio::task::JoinHandle<()>,
     moves: Arc<AtomicU64>,
     trainers: Vec<Trainer>,
 }
@@ -261,6 +263,18 @@ impl Peer {
             (None, RunSource::File(p)) => Manifest::load(p)?,
         };
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
+        // Every peer keeps the manifest alive (a bootstrap that serves no stage too): its
+        // record expires with the announcement TTL.
+        let manifest_keeper = {
+            let (net, manifest, ttl) = (net.clone(), manifest.clone(), cfg.announce_ttl);
+            tokio::spawn(async move {
+                let period = (ttl / 3).max(Duration::from_millis(200));
+                loop {
+                    tokio::time::sleep(period).await;
+                    let _ = registry::publish_manifest(&net, &manifest, ttl).await;
+                }
+            })
+        };
         emit(Event::Run {
             id: manifest.id.clone(),
         });
@@ -307,12 +321,12 @@ impl Peer {
             slot: Arc::new(Mutex::new(None)),
             moving: Arc::new(tokio::sync::Mutex::new(())),
             rebalancer: None,
+            manifest_keeper,
             moves: Arc::new(AtomicU64::new(0)),
             trainers: Vec::new(),
         };
         if let Some(stage_idx) = stage_idx {
-            let donors = peers_of(&per_stage[stage_idx]);
-            let serving = ctx.serve(stage_idx, &donors).await?;
+            let serving = ctx.serve(stage_idx, &per_stage[stage_idx]).await?;
             *slot_lock(&peer.slot) = Some(serving);
             if let Some(period) = cfg.rebalance {
                 let seed = crate::rng::derive_seed(
@@ -453,6 +467,7 @@ impl Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
+        self.manifest_keeper.abort();
         if let Some(r) = self.rebalancer.take() {
             r.abort();
         }

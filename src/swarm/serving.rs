@@ -102,11 +102,12 @@ impl Ctx {
         Ok(out)
     }
 
-    /// Builds, syncs (from `donors`, if any), serves and announces stage `stage_idx`.
+    /// Builds, syncs (from the replicas `announced`, if any), serves and announces stage
+    /// `stage_idx`.
     pub(super) async fn serve(
         &self,
         stage_idx: usize,
-        donors: &[PeerId],
+        announced: &[Announcement],
     ) -> Result<Serving, PeerError> {
         let cfg = &self.cfg;
         let manifest = &self.manifest;
@@ -139,6 +140,16 @@ impl Ctx {
             manifest.id.clone(),
             manifest.config.codecs.activations,
         );
+        // Replicas that never stepped hold the deterministic init this replica has too:
+        // nothing to download.
+        let fresh = announced
+            .iter()
+            .all(|a| a.step == 0 && a.params_hash == replica.params_hash());
+        let donors = if fresh {
+            Vec::new()
+        } else {
+            peers_of(announced)
+        };
         let mut synced = None;
         if !donors.is_empty() {
             // A stage that already has replicas: start from their state, not the init.
@@ -153,7 +164,7 @@ impl Ctx {
             let sync_started = Instant::now();
             let (snap, report) = loop {
                 attempt += 1;
-                let got = match sync::download(&client, stage_idx, donors, len, &mut rng).await {
+                let got = match sync::download(&client, stage_idx, &donors, len, &mut rng).await {
                     Ok((snap, report)) => replica
                         .restore(&snap)
                         .map(|_| (snap, report))
@@ -325,10 +336,8 @@ pub(super) async fn rebalance_loop(
             to: target,
         });
         ctx.leave(serving).await;
-        let others = |s: usize| -> Vec<PeerId> {
-            let anns: Vec<Announcement> =
-                live[s].iter().filter(|a| a.peer != me).cloned().collect();
-            peers_of(&anns)
+        let others = |s: usize| -> Vec<Announcement> {
+            live[s].iter().filter(|a| a.peer != me).cloned().collect()
         };
         let serving = match ctx.serve(target, &others(target)).await {
             Ok(s) => {
@@ -404,7 +413,6 @@ impl Refresh {
         let period = (self.ttl / 3).max(Duration::from_millis(200));
         loop {
             tokio::time::sleep(period).await;
-            let _ = registry::publish_manifest(&self.net, &self.manifest, self.ttl).await;
             let _ = self.once().await;
         }
     }

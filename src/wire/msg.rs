@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 pub const MAX_HEADER: usize = 64 << 10;
 
 /// The version of this message format.
-pub const MSG_VERSION: u8 = 2;
+pub const MSG_VERSION: u8 = 3;
 
 /// Most tensor frames one message may carry.
 pub const MAX_TENSORS: u8 = 8;
@@ -92,7 +92,8 @@ pub enum AvgMsg {
         /// Samples of replicas that died holding gradients of this step (lost).
         lost: u64,
     },
-    /// One member's sum for the receiver's part, one frame; `count` is the member's samples.
+    /// Chunk `chunk` of one member's sum for the receiver's part, one frame; `count` is
+    /// the member's samples.
     Part {
         /// The step.
         step: u64,
@@ -100,8 +101,11 @@ pub enum AvgMsg {
         attempt: u32,
         /// Samples behind the sender's sum.
         count: u64,
+        /// Which chunk of the part.
+        chunk: u32,
     },
-    /// The averaged part `index`, one frame, exactly as every member applies it.
+    /// Chunk `chunk` of the averaged part `index`, one frame, exactly as every member
+    /// applies it.
     Reduced {
         /// The step.
         step: u64,
@@ -111,6 +115,8 @@ pub enum AvgMsg {
         index: u32,
         /// Samples in the step.
         total: u64,
+        /// Which chunk of the part.
+        chunk: u32,
     },
 }
 
@@ -387,6 +393,7 @@ mod tests {
                 step: 3,
                 attempt: 9,
                 count: 16,
+                chunk: 1,
             }),
             chunk: None,
         };

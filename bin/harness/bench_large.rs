@@ -1,0 +1,368 @@
+//! `shoal bench swarm --scenario large`: stages of real size. A `sim` run whose stages
+//! hold over 100M parameters each, 2 stages × 2 replicas and a trainer behind home links,
+//! measured in three phases:
+//! 1. averaging: the replicas train until each has applied a few rounds; the median round
+//!    (freeze to the whole averaged gradient in hand) against its bound, 2(N−1)/N × the
+//!    encoded gradient ÷ the link rate + two round trips (parts out, reduced parts back);
+//! 2. state download: a fresh peer joins stage 1 and downloads its state (parameters and
+//!    both AdamW moments) from the two replicas while they keep training; its time against
+//!    the bound, the state's bytes ÷ min(the donors' combined uplink, the joiner's
+//!    downlink);
+//! 3. a last window in which training must keep stepping.
+//!
+//! Memory is every replica's peak resident set, the joiner's included, against the stage's
+//! state (parameters + two moments, f32).
+
+use super::bench_swarm::{replica_args, trainer_args};
+use super::scenarios::{BenchOptions, ReplicaSpec, Row, Setup};
+use super::{spawn_bootstrap, stop_all, HarnessError, Proc};
+use shoal::averaging::AvgSnapshot;
+use shoal::dht::Manifest;
+use shoal::swarm::events::Event;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Rounds every replica applies in the averaging phase (the first, which also waits for
+/// the uplink to be measured, is not counted in the median).
+const ROUNDS: usize = 4;
+
+/// The figures of the large scenario, beside the usual row.
+#[derive(Debug, Clone, Default)]
+pub struct LargeFigures {
+    /// Parameters of the largest stage.
+    pub stage_params: u64,
+    /// Its state (parameters + two moments, f32), MiB.
+    pub state_mib: f64,
+    /// Median averaging round, seconds.
+    pub avg_round_s: f64,
+    /// Its bound, seconds.
+    pub avg_bound_s: f64,
+    /// Bound ÷ measured.
+    pub avg_efficiency: f64,
+    /// The joiner's download (and restore), seconds.
+    pub sync_s: f64,
+    /// Its bound, seconds.
+    pub sync_bound_s: f64,
+    /// Bound ÷ measured.
+    pub sync_efficiency: f64,
+    /// Round attempts abandoned at their deadline, over every replica and the whole run.
+    pub failed_rounds: u64,
+    /// Steps the stages applied in the last window (the fewest of the two stages).
+    pub steps_last_window: u64,
+}
+
+impl LargeFigures {
+    /// Its JSON keys.
+    pub fn to_json(&self) -> serde_json::Map<String, serde_json::Value> {
+        let v = serde_json::json!({
+            "stage_params": self.stage_params,
+            "state_mib": self.state_mib,
+            "avg_round_s": self.avg_round_s,
+            "avg_bound_s": self.avg_bound_s,
+            "avg_efficiency": self.avg_efficiency,
+            "sync_s": self.sync_s,
+            "sync_bound_s": self.sync_bound_s,
+            "sync_efficiency": self.sync_efficiency,
+            "failed_rounds": self.failed_rounds,
+            "steps_last_window": self.steps_last_window,
+        });
+        match v {
+            serde_json::Value::Object(m) => m,
+            _ => serde_json::Map::new(),
+        }
+    }
+}
+
+/// What a replica last reported.
+#[derive(Default, Clone)]
+struct Seen {
+    stage: usize,
+    avg: AvgSnapshot,
+    peak_rss: u64,
+}
+
+fn read(peers: &mut [Proc], seen: &mut HashMap<String, Seen>) -> Vec<(String, Event)> {
+    let mut other = Vec::new();
+    for p in peers.iter_mut() {
+        for e in p.drain() {
+            match e {
+                Event::Counters {
+                    stage,
+                    averaging,
+                    peak_rss_bytes,
+                    ..
+                } => {
+                    let s = seen.entry(p.name.clone()).or_default();
+                    s.stage = stage;
+                    s.peak_rss = s.peak_rss.max(peak_rss_bytes);
+                    if let Some(a) = averaging {
+                        s.avg = a;
+                    }
+                }
+                e => other.push((p.name.clone(), e)),
+            }
+        }
+    }
+    other
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the large scenario.
+pub fn run(setup: &Setup, opts: &BenchOptions, out: &dyn Fn(String)) -> Result<Row, HarnessError> {
+    let dir = std::env::temp_dir().join(format!("shoal-bench-{}-large", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
+    let r = run_in(setup, opts, &dir, out);
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+fn run_in(
+    setup: &Setup,
+    opts: &BenchOptions,
+    dir: &Path,
+    out: &dyn Fn(String),
+) -> Result<Row, HarnessError> {
+    let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
+    let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
+    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
+    let exe = &opts.exe;
+    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    let in_flight = setup.concurrency * setup.trainers.len();
+    let params = stage_params(setup);
+    let stage_params = params.iter().copied().max().unwrap_or(0);
+    let state_bytes = 12.0 * stage_params as f64;
+    out(format!(
+        "  stages of {} parameters ({:.0} MiB of state each)",
+        params
+            .iter()
+            .map(|p| format!("{:.1}M", *p as f64 / 1e6))
+            .collect::<Vec<_>>()
+            .join(", "),
+        state_bytes / (1 << 20) as f64
+    ));
+    let start = |name: &str, r: &ReplicaSpec, stage: &str| -> Result<Proc, HarnessError> {
+        let args = replica_args(&m.id, &baddr, r, &format!("{name}.key"), stage, in_flight);
+        Proc::spawn(exe, dir, name, &args)
+    };
+    boot.wait_ready(Duration::from_secs(60))?;
+    let mut peers = Vec::new();
+    for (i, r) in setup.replicas.iter().enumerate() {
+        let mut p = start(
+            &format!("stage{}-replica{i}", r.stage),
+            r,
+            &r.stage.to_string(),
+        )?;
+        p.wait_for("serving", Duration::from_secs(300), |e| {
+            matches!(e, Event::Serving { .. }).then_some(())
+        })?;
+        peers.push(p);
+    }
+    for p in peers.iter_mut() {
+        p.wait_ready(Duration::from_secs(300))?;
+    }
+    let mut trainers = Vec::new();
+    for (t, l) in setup.trainers.iter().enumerate() {
+        let args = trainer_args(setup, &m.id, &baddr, l, t);
+        trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
+    }
+    let started = Instant::now();
+    let mut seen: HashMap<String, Seen> = HashMap::new();
+    let limit = Duration::from_secs_f64(opts.seconds.max(600.0));
+    // Phase 1: every replica applies ROUNDS rounds.
+    let mut next_print = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        read(&mut peers, &mut seen);
+        for t in trainers.iter_mut() {
+            t.drain();
+        }
+        let rounds: Vec<u64> = peers
+            .iter()
+            .map(|p| seen.get(&p.name).map_or(0, |s| s.avg.rounds))
+            .collect();
+        if Instant::now() >= next_print {
+            next_print = Instant::now() + Duration::from_secs(10);
+            out(format!(
+                "  [{:>4.0}s] averaging: rounds per replica {rounds:?}",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        if rounds.iter().all(|&r| r >= ROUNDS as u64) {
+            break;
+        }
+        if started.elapsed() > limit {
+            return Err(HarnessError::Process(format!(
+                "the replicas applied only {rounds:?} rounds in {limit:?}"
+            )));
+        }
+    }
+    let rounds_ms: Vec<f64> = seen
+        .values()
+        .flat_map(|s| s.avg.recent_rounds_ms.iter().skip(1).copied())
+        .collect();
+    let avg_round_s = median(rounds_ms) / 1e3;
+    let link = setup
+        .replicas
+        .first()
+        .map_or_else(shoal::net::link::LinkSpec::unlimited, |r| r.link);
+    let rate = link.up.unwrap_or(f64::INFINITY);
+    let members = 2.0;
+    let grad_bytes =
+        shoal::wire::max_encoded_len(&[stage_params as usize], &setup.run.codecs.gradients)
+            .unwrap_or(stage_params as usize * 4) as f64;
+    let avg_bound_s =
+        2.0 * (members - 1.0) / members * grad_bytes / rate + 2.0 * link.rtt.as_secs_f64();
+    out(format!(
+        "  averaging: median round {avg_round_s:.2} s, bound {avg_bound_s:.2} s ({:.0} MB encoded gradient)",
+        grad_bytes / 1e6
+    ));
+    // Phase 2: a fresh peer joins stage 1 and downloads its state.
+    let joiner_spec = setup
+        .replicas
+        .iter()
+        .find(|r| r.stage == 1)
+        .cloned()
+        .unwrap_or(ReplicaSpec {
+            stage: 1,
+            link,
+            slowdown: 1.0,
+        });
+    let mut joiner = start("joiner", &joiner_spec, "1")?;
+    let sync_started = Instant::now();
+    let (bytes, sync_s, donors) = loop {
+        read(&mut peers, &mut seen);
+        for t in trainers.iter_mut() {
+            t.drain();
+        }
+        let got = joiner.wait_for("its download", Duration::from_secs(1), |e| match e {
+            Event::Synced {
+                bytes,
+                seconds,
+                donors,
+                ..
+            } => Some((*bytes as f64, *seconds, *donors)),
+            Event::SyncRetry { error, .. } => {
+                out(format!("  joiner: download retried: {error}"));
+                None
+            }
+            _ => None,
+        });
+        match got {
+            Ok(v) => break v,
+            Err(e) if joiner.exited() => return Err(e),
+            Err(_) if sync_started.elapsed() > limit => {
+                return Err(HarnessError::Process(format!(
+                    "the joiner did not download its state within {limit:?}"
+                )))
+            }
+            Err(_) => {}
+        }
+    };
+    let up: f64 = donors as f64 * link.up.unwrap_or(f64::INFINITY);
+    let down = joiner_spec.link.down.unwrap_or(f64::INFINITY);
+    let sync_bound_s = bytes / up.min(down);
+    out(format!(
+        "  state download: {:.0} MB from {donors} donors in {sync_s:.1} s, bound {sync_bound_s:.1} s",
+        bytes / 1e6
+    ));
+    let mut all: Vec<Proc> = peers;
+    all.push(joiner);
+    // Phase 3: training keeps stepping with the joiner in.
+    let window = Duration::from_secs_f64(opts.warmup.max(30.0));
+    read(&mut all, &mut seen);
+    let before: HashMap<String, u64> = seen
+        .iter()
+        .map(|(k, s)| (k.clone(), s.avg.rounds))
+        .collect();
+    let end = Instant::now() + window;
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(500));
+        for (name, e) in read(&mut all, &mut seen) {
+            if let Event::SyncRetry { error, .. } = e {
+                out(format!("  {name}: download retried: {error}"));
+            }
+        }
+        for t in trainers.iter_mut() {
+            t.drain();
+        }
+    }
+    read(&mut all, &mut seen);
+    let steps_last_window = (0..2)
+        .map(|stage| {
+            seen.iter()
+                .filter(|(k, s)| s.stage == stage && *k != "joiner")
+                .map(|(k, s)| {
+                    s.avg
+                        .rounds
+                        .saturating_sub(before.get(k).copied().unwrap_or(0))
+                })
+                .max()
+                .unwrap_or(0)
+        })
+        .min()
+        .unwrap_or(0);
+    let failed_rounds: u64 = seen.values().map(|s| s.avg.failed_attempts).sum();
+    let peak_rss = seen.values().map(|s| s.peak_rss).max().unwrap_or(0);
+    for (name, s) in {
+        let mut v: Vec<_> = seen.iter().collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v
+    } {
+        out(format!(
+            "  {name}: stage {}, {} rounds ({} abandoned, {} resyncs), peak RSS {:.0} MiB",
+            s.stage,
+            s.avg.rounds,
+            s.avg.failed_attempts,
+            s.avg.resyncs,
+            s.peak_rss as f64 / (1 << 20) as f64
+        ));
+    }
+    stop_all(trainers.iter_mut(), Duration::from_secs(30));
+    stop_all(all.iter_mut(), Duration::from_secs(15));
+    boot.stop();
+    let figures = LargeFigures {
+        stage_params,
+        state_mib: state_bytes / (1 << 20) as f64,
+        avg_round_s,
+        avg_bound_s,
+        avg_efficiency: if avg_round_s > 0.0 {
+            avg_bound_s / avg_round_s
+        } else {
+            0.0
+        },
+        sync_s,
+        sync_bound_s,
+        sync_efficiency: if sync_s > 0.0 {
+            sync_bound_s / sync_s
+        } else {
+            0.0
+        },
+        failed_rounds,
+        steps_last_window,
+    };
+    Ok(Row {
+        scenario: setup.label.clone(),
+        bottleneck: "averaging and state download".into(),
+        peak_rss_mib: peak_rss as f64 / (1 << 20) as f64,
+        large: Some(figures),
+        ..Row::default()
+    })
+}
+
+/// Parameters of each stage of the run (built on the CPU; dropped at once).
+fn stage_params(setup: &Setup) -> Vec<u64> {
+    (0..setup.run.stages.count)
+        .map(|s| {
+            shoal::model::Stage::new(&setup.run, s, &candle_core::Device::Cpu)
+                .map_or(0, |st| st.params().numel() as u64)
+        })
+        .collect()
+}
