@@ -720,25 +720,52 @@ async fn a_donor_serving_bad_chunks_is_dropped_and_the_state_checks_out() {
     cfg.averaging.state_chunk_floats = Some(1024);
     cfg.validate().unwrap();
     let (m, path) = manifest_file(&dir, &cfg);
-    let good = start(peer_config(
+    let quick = |mut c: PeerConfig| {
+        c.announce_ttl = Duration::from_secs(3);
+        c
+    };
+    let good = start(quick(peer_config(
         RunSource::File(path),
         vec![],
         StageChoice::Index(0),
-    ))
+    )))
     .await
     .unwrap();
     let boot = good.addrs()[0].clone();
-    let bad = start(peer_config(
+    let bad = start(quick(peer_config(
         RunSource::Id(m.id.clone()),
         vec![boot.clone()],
         StageChoice::Index(0),
-    ))
+    )))
     .await
     .unwrap();
     let svc = bad.service().unwrap();
     let (tx, _rx) = tokio::sync::mpsc::channel(1);
     let inner = AvgServer::new(Inbox::new(tx, 1 << 20), svc.replica(), 1024);
     svc.attach(std::sync::Arc::new(Corrupting(inner)));
+    // Both donors take the same step (a replica at the untouched init has nothing to
+    // download), and announce it.
+    for p in [&good, &bad] {
+        let s = p.service().unwrap();
+        {
+            let r = s.replica();
+            let mut g = r.lock().await;
+            let zeros = vec![0f32; s.numel()];
+            g.apply(0, &zeros.as_slice(), 0, 0).unwrap();
+        }
+        s.refresh_status().await;
+    }
+    let t0 = std::time::Instant::now();
+    loop {
+        let anns = shoal::stage::registry::read_stage(good.net(), &m.id, 0)
+            .await
+            .unwrap_or_default();
+        if anns.len() == 2 && anns.iter().all(|a| a.step == 1) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "{anns:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let joiner = start(peer_config(
         RunSource::Id(m.id.clone()),
         vec![boot],

@@ -464,6 +464,18 @@ async fn concurrent_joiners_spread_their_downloads_over_the_donors() {
             .await,
         );
     }
+    // The donors take a step (the same one): replicas at the untouched init would have
+    // nothing to download.
+    for d in &donors {
+        let s = d.service().unwrap();
+        {
+            let r = s.replica();
+            let mut g = r.lock().await;
+            let zeros = vec![0f32; s.numel()];
+            g.apply(0, &zeros.as_slice(), 0, 0).unwrap();
+        }
+        s.refresh_status().await;
+    }
     // Three joiners of stage 0 at once.
     let joiners = futures::future::join_all((0..3).map(|_| {
         start(pc(

@@ -8,7 +8,8 @@
 //!    both AdamW moments) from the two replicas while they keep training; its time against
 //!    the bound, the state's bytes ÷ min(the donors' combined uplink, the joiner's
 //!    downlink);
-//! 3. a last window in which training must keep stepping.
+//! 3. a last window in which training must keep stepping, and the joiner (which replays
+//!    the updates its donors applied during its download) takes part in rounds.
 //!
 //! Memory is every replica's peak resident set, the joiner's included, against the stage's
 //! state (parameters + two moments, f32).
@@ -50,6 +51,8 @@ pub struct LargeFigures {
     pub failed_rounds: u64,
     /// Steps the stages applied in the last window (the fewest of the two stages).
     pub steps_last_window: u64,
+    /// Rounds the joiner took part in by the end (0: it never caught up with the stage).
+    pub joiner_rounds: u64,
 }
 
 impl LargeFigures {
@@ -66,6 +69,7 @@ impl LargeFigures {
             "sync_efficiency": self.sync_efficiency,
             "failed_rounds": self.failed_rounds,
             "steps_last_window": self.steps_last_window,
+            "joiner_rounds": self.joiner_rounds,
         });
         match v {
             serde_json::Value::Object(m) => m,
@@ -275,8 +279,9 @@ fn run_in(
     ));
     let mut all: Vec<Proc> = peers;
     all.push(joiner);
-    // Phase 3: training keeps stepping with the joiner in.
-    let window = Duration::from_secs_f64(opts.warmup.max(30.0));
+    // Phase 3: training keeps stepping with the joiner in (which first replays the
+    // updates applied during its download).
+    let window = Duration::from_secs_f64(opts.warmup.max(60.0));
     read(&mut all, &mut seen);
     let before: HashMap<String, u64> = seen
         .iter()
@@ -310,6 +315,7 @@ fn run_in(
         .min()
         .unwrap_or(0);
     let failed_rounds: u64 = seen.values().map(|s| s.avg.failed_attempts).sum();
+    let joiner_rounds = seen.get("joiner").map_or(0, |s| s.avg.rounds);
     let peak_rss = seen.values().map(|s| s.peak_rss).max().unwrap_or(0);
     for (name, s) in {
         let mut v: Vec<_> = seen.iter().collect();
@@ -317,11 +323,12 @@ fn run_in(
         v
     } {
         out(format!(
-            "  {name}: stage {}, {} rounds ({} abandoned, {} resyncs), peak RSS {:.0} MiB",
+            "  {name}: stage {}, {} rounds ({} abandoned, {} resyncs, {} updates replayed), peak RSS {:.0} MiB",
             s.stage,
             s.avg.rounds,
             s.avg.failed_attempts,
             s.avg.resyncs,
+            s.avg.replays,
             s.peak_rss as f64 / (1 << 20) as f64
         ));
     }
@@ -347,6 +354,7 @@ fn run_in(
         },
         failed_rounds,
         steps_last_window,
+        joiner_rounds,
     };
     Ok(Row {
         scenario: setup.label.clone(),

@@ -7,6 +7,7 @@ use super::plan::{self, Decision, View};
 use super::round::{self, Key, Layout, Round, Taken, Tally, PART_CHUNK};
 use super::server::{Inbound, Inbox};
 use super::sync;
+use super::updates::{self, UpdateLog};
 use super::{AveragerConfig, AvgStats};
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
@@ -330,6 +331,8 @@ pub(super) struct State {
     pub(super) abandoned: Abandoned,
     /// The inbox's shared state (attempts that are over are refused there).
     pub(super) inbox: Inbox,
+    /// The updates applied last, served to replicas catching up.
+    pub(super) log: Arc<std::sync::Mutex<UpdateLog>>,
     /// The applied step, shared with the server (which refuses parts of other steps).
     pub(super) step: Arc<AtomicU64>,
     pub(super) views: HashMap<PeerId, View>,
@@ -574,6 +577,20 @@ impl State {
         if donors.is_empty() {
             return;
         }
+        // Replaying the updates missed moves a twelfth of the state per step (int8):
+        // first that, then the whole state if the donors do not keep them.
+        let replica = self.service.replica();
+        let replayed = updates::catch_up(&self.client, self.stage, donors, &replica).await;
+        if let Ok(n) = replayed {
+            if n > 0 {
+                self.debug(|| format!("caught up by replaying {n} update(s)"));
+                self.stats.replays.fetch_add(n, Ordering::Relaxed);
+                self.service.refresh_status().await;
+                self.end_round(false);
+                self.early.clear();
+                return;
+            }
+        }
         let len = self.n * 3;
         let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng).await;
         if let Err(e) = &r {
@@ -582,10 +599,9 @@ impl State {
             }
         }
         if let Ok((snap, _)) = r {
-            let replica = self.service.replica();
+            let r2 = Arc::clone(&replica);
             let ok = tokio::task::spawn_blocking(move || {
-                replica
-                    .blocking_lock()
+                r2.blocking_lock()
                     .restore(&snap)
                     .map(|_| ())
                     .map_err(|_| ())
@@ -593,6 +609,10 @@ impl State {
             .await;
             if matches!(ok, Ok(Ok(()))) {
                 self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+                // The download took time: replay what the donors applied meanwhile.
+                if let Ok(n) = updates::catch_up(&self.client, self.stage, donors, &replica).await {
+                    self.stats.replays.fetch_add(n, Ordering::Relaxed);
+                }
                 self.service.refresh_status().await;
                 self.end_round(false);
                 self.early.clear();
@@ -876,12 +896,17 @@ impl State {
             !matches!(&m.msg, AvgMsg::Part { step: s, .. } | AvgMsg::Reduced { step: s, .. } if *s <= step)
         });
         let replica = self.service.replica();
+        let log = Arc::clone(&self.log);
         let applied = tokio::task::spawn_blocking(move || {
             let avg = round::Frames::new(chunks, n)?;
-            replica
-                .blocking_lock()
-                .apply(step, &avg, total, lost)
-                .map_err(|e| e.to_string())
+            let mut r = replica.blocking_lock();
+            r.apply(step, &avg, total, lost)
+                .map_err(|e| e.to_string())?;
+            // Kept for replicas that catch up (losing it only costs them a download).
+            if let Ok(mut l) = log.lock() {
+                let _ = l.record(step, total, lost, r.params_hash(), avg.chunks());
+            }
+            Ok::<(), String>(())
         })
         .await;
         match applied {

@@ -8,6 +8,7 @@
 //! - [`server`]: the replica's answers to averaging messages and state requests.
 //! - [`sync`]: state download for joiners and for replicas that fell behind.
 //! - [`spill`]: the snapshot a donor serves, on disk.
+//! - [`updates`]: the updates a replica applied last, replayed by replicas catching up.
 //! - this module: the config, the counters and the handle.
 //!
 //! Protocol (all messages are `Op::Avg` calls between the replicas of one stage):
@@ -42,6 +43,7 @@ pub mod round;
 pub mod server;
 pub mod spill;
 pub mod sync;
+pub mod updates;
 
 use crate::config::RunConfig;
 use crate::rng::Rng;
@@ -147,6 +149,9 @@ pub struct AvgSnapshot {
     pub bytes_sent: u64,
     /// State downloads after falling behind.
     pub resyncs: u64,
+    /// Updates replayed to catch up.
+    #[serde(default)]
+    pub replays: u64,
     /// Measured uplink for parts, bytes/s (0: not yet).
     pub uplink: u64,
     /// Milliseconds of the latest rounds, oldest first.
@@ -174,6 +179,7 @@ impl AvgStats {
             failed_attempts: g(&self.failed_attempts),
             bytes_sent: g(&self.bytes_sent),
             resyncs: g(&self.resyncs),
+            replays: g(&self.replays),
             uplink: g(&self.uplink),
             recent_rounds_ms: self
                 .recent_rounds_ms
@@ -197,6 +203,8 @@ pub struct AvgStats {
     pub raw_bytes: AtomicU64,
     /// State downloads after falling behind.
     pub resyncs: AtomicU64,
+    /// Updates replayed to catch up.
+    pub replays: AtomicU64,
     /// The measured uplink for averaging parts, bytes/s (a moving average; 0: not yet).
     pub uplink: AtomicU64,
     /// Microseconds from freezing to applying, summed over rounds.
@@ -241,11 +249,11 @@ impl Averager {
             part_bytes.saturating_mul(2).min(INBOX_CHUNKS * chunk_bytes) + INBOX_SLACK;
         let inbox = server::Inbox::new(tx, inbox_bytes);
         let step = Arc::clone(&inbox.step);
-        service.attach(Arc::new(server::AvgServer::new(
-            inbox.clone(),
-            service.replica(),
-            cfg.state_chunk,
-        )));
+        let log = Arc::new(std::sync::Mutex::new(updates::UpdateLog::default()));
+        service.attach(Arc::new(
+            server::AvgServer::new(inbox.clone(), service.replica(), cfg.state_chunk)
+                .with_log(Arc::clone(&log)),
+        ));
         let stats = Arc::new(AvgStats::default());
         let (out_tx, out_rx) = mpsc::channel(actor::OUTBOX);
         tokio::spawn(actor::sender(client.clone(), service.stage(), out_rx));
@@ -271,6 +279,7 @@ impl Averager {
             bulk: bulk_tx,
             abandoned,
             inbox,
+            log,
             step,
             views: HashMap::new(),
             known: Vec::new(),

@@ -318,6 +318,11 @@ impl Frames {
         })
     }
 
+    /// The reduced chunks, by range.
+    pub fn chunks(&self) -> &ReducedChunks {
+        &self.chunks
+    }
+
     fn with_chunk<T>(&self, i: usize, f: impl FnOnce(&[f32]) -> T) -> Result<T, String> {
         let mut last = self.last.borrow_mut();
         if last.as_ref().map(|(j, _)| *j) != Some(i) {

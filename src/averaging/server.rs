@@ -4,6 +4,7 @@
 //! state download is [`super::sync`], and both use [`super::sync::chunk_hash`].
 
 use super::spill::Spill;
+use super::updates::UpdateLog;
 use crate::stage::replica::Replica;
 use crate::stage::service::{Answer, Extension, Refusal};
 use crate::wire::msg::{AvgMsg, ErrorKind, Op, Request, StateInfo, HASH_PAGE};
@@ -99,6 +100,8 @@ pub struct AvgServer {
     /// Where snapshots are spilled.
     dir: PathBuf,
     snapshots: Mutex<VecDeque<Arc<SnapshotEntry>>>,
+    /// The updates this replica applied last, for replicas catching up.
+    log: Arc<Mutex<UpdateLog>>,
 }
 
 impl AvgServer {
@@ -111,7 +114,34 @@ impl AvgServer {
             chunk: chunk.max(1),
             dir: std::env::temp_dir(),
             snapshots: Mutex::new(VecDeque::new()),
+            log: Arc::default(),
         }
+    }
+
+    /// Serves the updates in `log` (the averager records what it applies there).
+    pub fn with_log(mut self, log: Arc<Mutex<UpdateLog>>) -> Self {
+        self.log = log;
+        self
+    }
+
+    fn state_update(&self, req: &Request) -> Result<Answer, Refusal> {
+        let Some(c) = req.chunk else {
+            return Err(Refusal::new(
+                ErrorKind::BadRequest,
+                "state_update without a chunk",
+            ));
+        };
+        let got = self
+            .log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .chunk(c.step, c.index as usize);
+        let (info, frame) = got.map_err(|e| Refusal::new(ErrorKind::StaleStep, e))?;
+        Ok(Answer {
+            update: Some(info),
+            frames: vec![frame],
+            ..Answer::default()
+        })
     }
 
     fn snapshots(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<SnapshotEntry>>> {
@@ -301,6 +331,7 @@ impl Extension for AvgServer {
                 Op::StateInfo => self.state_info().await,
                 Op::StateChunk => self.state_chunk(&req).await,
                 Op::StateHashes => self.state_hashes(&req),
+                Op::StateUpdate => self.state_update(&req),
                 other => Err(Refusal::new(
                     ErrorKind::BadRequest,
                     format!("{other:?} is not an averaging call"),

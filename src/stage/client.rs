@@ -411,6 +411,26 @@ impl StageClient {
             .ok_or_else(|| CallError::Protocol("state_hashes reply without hashes".into()))
     }
 
+    /// Chunk `index` of the averaged update the replica applied at step `step`, and the
+    /// update's description.
+    pub async fn state_update(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        step: u64,
+        index: u32,
+    ) -> Result<(crate::wire::msg::UpdateInfo, Vec<u8>), CallError> {
+        let mut req = self.request(stage, 0, 0, Op::StateUpdate, 0);
+        req.chunk = Some(ChunkReq { step, index });
+        let (header, frames) = self.call(peer, &req, &[]).await?;
+        match (header.update, frames.into_iter().next()) {
+            (Some(u), Some(f)) => Ok((u, f)),
+            _ => Err(CallError::Protocol(
+                "state_update reply without an update or its chunk".into(),
+            )),
+        }
+    }
+
     /// The replica's own announcement, as JSON.
     pub async fn info(&self, peer: PeerId, stage: usize) -> Result<Response, CallError> {
         let req = self.request(stage, 0, 0, Op::Info, 0);

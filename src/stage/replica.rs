@@ -357,6 +357,28 @@ impl Replica {
         Ok(())
     }
 
+    /// Applies an update another replica applied at `step` (a replay, to catch up) and
+    /// checks that the parameters reach `hash`, the hash it reached. A replay that misses
+    /// it leaves this replica diverged (its hash then differs from the stage's, and it
+    /// downloads the whole state) and is an error.
+    pub fn replay(
+        &mut self,
+        step: u64,
+        avg: &dyn FlatSource,
+        samples: u64,
+        lost: u64,
+        hash: &str,
+    ) -> Result<(), ModelError> {
+        self.apply(step, avg, samples, lost)?;
+        if self.params_hash != hash {
+            return Err(ModelError::BadInput(format!(
+                "replaying step {step} reached parameters hashing to {}, not {hash}",
+                self.params_hash
+            )));
+        }
+        Ok(())
+    }
+
     /// The whole state, for a joiner.
     pub fn snapshot(&self) -> Result<Snapshot, ModelError> {
         let params: Vec<Tensor> = self

@@ -141,10 +141,22 @@ impl Ctx {
             manifest.config.codecs.activations,
         );
         // Replicas that never stepped hold the deterministic init this replica has too:
-        // nothing to download.
-        let fresh = announced
-            .iter()
-            .all(|a| a.step == 0 && a.params_hash == replica.params_hash());
+        // nothing to download. (Asked now: announcements may be a few seconds old.)
+        let mut fresh = !announced.is_empty()
+            && announced
+                .iter()
+                .all(|a| a.params_hash == replica.params_hash());
+        let mut answered = 0;
+        for p in peers_of(announced) {
+            if !fresh {
+                break;
+            }
+            if let Ok(h) = client.info(p, stage_idx).await {
+                answered += 1;
+                fresh = h.step == 0;
+            }
+        }
+        let fresh = fresh && answered > 0;
         let donors = if fresh {
             Vec::new()
         } else {
@@ -192,6 +204,12 @@ impl Ctx {
             synced = Some(report);
         }
         let replica = Arc::new(tokio::sync::Mutex::new(replica));
+        if synced.is_some() {
+            // The download took time: replay what the donors applied meanwhile, so the
+            // replica starts at their step.
+            let _ =
+                crate::averaging::updates::catch_up(&client, stage_idx, &donors, &replica).await;
+        }
         let service = Arc::new(StageService::start(
             &self.net,
             manifest,

@@ -44,6 +44,10 @@ pub enum Op {
     /// No tensors → page `chunk.index` of the chunk hashes of the snapshot of step
     /// `chunk.step` (at most [`HASH_PAGE`] of them), in `hashes`.
     StateHashes,
+    /// No tensors → chunk `chunk.index` of the averaged update that took the replica from
+    /// step `chunk.step` to the next, one frame (exactly as every member applied it), and
+    /// the update's description in `update`.
+    StateUpdate,
 }
 
 /// Chunk hashes per [`Op::StateHashes`] page: a page stays far below [`MAX_HEADER`], and
@@ -253,8 +257,32 @@ pub struct Response {
     /// A page of chunk hashes, for [`Op::StateHashes`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hashes: Option<Vec<String>>,
+    /// The update a chunk belongs to, for [`Op::StateUpdate`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update: Option<UpdateInfo>,
     /// Tensor frames that follow.
     pub tensors: u8,
+}
+
+/// An averaged update a replica applied: what a replica that has the state of `step`
+/// needs to reach the next step without downloading the whole state again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateInfo {
+    /// The step it was applied at.
+    pub step: u64,
+    /// Samples in it.
+    pub total: u64,
+    /// Samples lost with dead replicas in that step.
+    pub lost: u64,
+    /// The parameters' hash after it (hex).
+    pub hash: String,
+    /// Reduced chunks it is made of.
+    pub chunks: u32,
+    /// The range of the flat gradient the chunk asked for covers.
+    pub start: u64,
+    /// See `start`.
+    pub end: u64,
 }
 
 /// A typed refusal.
@@ -279,6 +307,7 @@ impl Response {
             info: None,
             state: None,
             hashes: None,
+            update: None,
             tensors,
         }
     }

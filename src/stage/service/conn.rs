@@ -161,7 +161,7 @@ async fn serve_one(
                 frames: Vec::new(),
             }
         }
-        Op::Avg | Op::StateInfo | Op::StateChunk | Op::StateHashes => {
+        Op::Avg | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate => {
             extension(shared, peer, req, frames).await
         }
         Op::Forward | Op::Backward => worker::queue_job(shared, req, frames).await,
@@ -177,7 +177,7 @@ async fn serve_one(
         Op::Avg => {
             c.avg_in.fetch_add(in_bytes, Ordering::Relaxed);
         }
-        Op::StateChunk => {
+        Op::StateChunk | Op::StateUpdate => {
             c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
         }
         Op::Info | Op::StateInfo | Op::StateHashes => {}
@@ -219,7 +219,7 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
     let want = match req.op {
         Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(req.op == Op::Forward)),
         Op::Backward => 2,
-        Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes => 0,
+        Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate => 0,
     };
     if req.tensors != want {
         return Some(refusal(
@@ -247,6 +247,7 @@ async fn extension(shared: &Shared, peer: PeerId, req: Request, frames: Vec<Vec<
             let mut header = ok(shared, answer.frames.len() as u8);
             header.state = answer.state;
             header.hashes = answer.hashes;
+            header.update = answer.update;
             Reply {
                 header,
                 frames: answer.frames,

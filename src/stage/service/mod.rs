@@ -78,6 +78,8 @@ pub struct Answer {
     pub state: Option<StateInfo>,
     /// A page of a state's chunk hashes.
     pub hashes: Option<Vec<String>>,
+    /// The averaged update a chunk belongs to.
+    pub update: Option<crate::wire::msg::UpdateInfo>,
     /// Tensor frames.
     pub frames: Vec<Vec<u8>>,
 }

@@ -1,0 +1,229 @@
+//! Catching up by replay. Every replica keeps the averaged updates of its last few steps
+//! (the reduced chunks exactly as every member applied them, in an unlinked temporary
+//! file, not in memory); a replica that holds the state of step `s` (a joiner whose
+//! download took longer than a step, a replica that missed a round) fetches the updates
+//! of `s`, `s + 1`, … from a replica that has them and applies them with the same code,
+//! which makes it bit-identical to that replica (each update names the parameters' hash
+//! after it, and a replay that does not reach it is refused). Downloading a whole state
+//! costs 12 bytes per parameter; an update costs one in int8.
+
+use super::round::{Frames, ReducedChunks};
+use crate::stage::client::StageClient;
+use crate::stage::replica::Replica;
+use crate::wire::msg::UpdateInfo;
+use libp2p::PeerId;
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Write;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+/// Updates kept, newest last: in int8, as many bytes as one whole state (12 per
+/// parameter), so a joiner whose download took twelve steps still catches up by replay.
+/// They are on disk: up to 12 bytes per parameter in `$TMPDIR` (48 with f32 gradients).
+pub const KEPT: usize = 12;
+
+/// One applied update on disk.
+struct Entry {
+    step: u64,
+    total: u64,
+    lost: u64,
+    hash: String,
+    file: File,
+    /// Each chunk's range in the flat gradient, offset in the file and length.
+    chunks: Vec<(Range<usize>, u64, usize)>,
+}
+
+/// The updates a replica applied last.
+#[derive(Default)]
+pub struct UpdateLog {
+    entries: VecDeque<Entry>,
+}
+
+/// Why an update could not be kept or served.
+pub type LogError = String;
+
+impl UpdateLog {
+    /// Keeps the update applied at `step` (its chunks, `total` and `lost` samples, and the
+    /// parameters' hash after it) in a new unlinked file in the temporary directory.
+    pub fn record(
+        &mut self,
+        step: u64,
+        total: u64,
+        lost: u64,
+        hash: &str,
+        chunks: &ReducedChunks,
+    ) -> Result<(), LogError> {
+        let dir = std::env::temp_dir();
+        let path = dir.join(format!(
+            "shoal-update-{}-{step}-{}",
+            std::process::id(),
+            self.entries.back().map_or(0, |e| e.step + 1)
+        ));
+        let io = |e: std::io::Error| format!("update log in {}: {e}", dir.display());
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io)?;
+        std::fs::remove_file(&path).map_err(io)?;
+        let mut at = 0u64;
+        let mut index = Vec::with_capacity(chunks.len());
+        for (range, frame) in chunks {
+            file.write_all(frame).map_err(io)?;
+            index.push((range.clone(), at, frame.len()));
+            at += frame.len() as u64;
+        }
+        index.sort_by_key(|(r, _, _)| r.start);
+        self.entries.retain(|e| e.step != step);
+        self.entries.push_back(Entry {
+            step,
+            total,
+            lost,
+            hash: hash.to_string(),
+            file,
+            chunks: index,
+        });
+        while self.entries.len() > KEPT {
+            self.entries.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Chunk `index` of the update applied at `step`, and its description.
+    pub fn chunk(&self, step: u64, index: usize) -> Result<(UpdateInfo, Vec<u8>), LogError> {
+        let e = self
+            .entries
+            .iter()
+            .find(|e| e.step == step)
+            .ok_or_else(|| format!("no update of step {step} is kept"))?;
+        let (range, offset, len) = e
+            .chunks
+            .get(index)
+            .cloned()
+            .ok_or("update chunk index out of range")?;
+        let mut frame = vec![0u8; len];
+        e.file
+            .read_exact_at(&mut frame, offset)
+            .map_err(|err| format!("reading the update log: {err}"))?;
+        Ok((
+            UpdateInfo {
+                step,
+                total: e.total,
+                lost: e.lost,
+                hash: e.hash.clone(),
+                chunks: u32::try_from(e.chunks.len()).unwrap_or(u32::MAX),
+                start: range.start as u64,
+                end: range.end as u64,
+            },
+            frame,
+        ))
+    }
+}
+
+/// Replays onto `replica` the updates `donors` kept, from its step on, until no donor has
+/// the next one (it is then at their step, or further behind than they keep). Returns the
+/// updates applied; an error leaves the replica at the last step that checked out.
+pub async fn catch_up(
+    client: &StageClient,
+    stage: usize,
+    donors: &[PeerId],
+    replica: &Arc<tokio::sync::Mutex<Replica>>,
+) -> Result<u64, LogError> {
+    let mut applied = 0;
+    'steps: loop {
+        let step = replica.lock().await.params_step();
+        for &d in donors {
+            let Ok((info, first)) = client.state_update(d, stage, step, 0).await else {
+                continue;
+            };
+            let mut chunks: ReducedChunks = Vec::with_capacity(info.chunks as usize);
+            chunks.push((info.start as usize..info.end as usize, Arc::new(first)));
+            for i in 1..info.chunks {
+                let (ci, f) = client
+                    .state_update(d, stage, step, i)
+                    .await
+                    .map_err(|e| format!("update chunk {i} of step {step} from {d}: {e}"))?;
+                if ci.step != step || ci.total != info.total || ci.hash != info.hash {
+                    return Err(format!("donor {d} changed its update of step {step}"));
+                }
+                chunks.push((ci.start as usize..ci.end as usize, Arc::new(f)));
+            }
+            let r = Arc::clone(replica);
+            let done = tokio::task::spawn_blocking(move || {
+                let mut r = r.blocking_lock();
+                let frames = Frames::new(chunks, r.stage().params().numel())?;
+                r.replay(step, &frames, info.total, info.lost, &info.hash)
+                    .map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            done?;
+            applied += 1;
+            continue 'steps;
+        }
+        return Ok(applied);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RunConfig;
+    use crate::model::Stage;
+    use crate::wire::{self, CodecSpec};
+
+    fn replica() -> Replica {
+        let cfg = RunConfig::tiny();
+        let stage = Stage::new(&cfg, 0, &candle_core::Device::Cpu).unwrap();
+        Replica::new(&cfg, stage).unwrap()
+    }
+
+    #[test]
+    fn a_replayed_update_reaches_the_same_parameters_and_a_wrong_one_is_caught() {
+        let (mut a, mut b) = (replica(), replica());
+        let n = a.stage().params().numel();
+        let grad: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
+        // The update as a round leaves it: int8 chunks of 1000 values.
+        let chunks: ReducedChunks = (0..n)
+            .step_by(1000)
+            .map(|s| {
+                let e = (s + 1000).min(n);
+                let mut f = Vec::new();
+                wire::encode_f32(&[e - s], &grad[s..e], &CodecSpec::INT8, &mut f).unwrap();
+                (s..e, Arc::new(f))
+            })
+            .collect();
+        let frames = Frames::new(chunks.clone(), n).unwrap();
+        a.apply(0, &frames, 16, 2).unwrap();
+        let mut log = UpdateLog::default();
+        log.record(0, 16, 2, a.params_hash(), frames.chunks())
+            .unwrap();
+        // Served chunk by chunk, as a catching-up replica fetches it.
+        let (info, first) = log.chunk(0, 0).unwrap();
+        assert_eq!((info.step, info.total, info.lost), (0, 16, 2));
+        assert_eq!(info.chunks as usize, chunks.len());
+        assert!(log.chunk(1, 0).is_err() && log.chunk(0, chunks.len()).is_err());
+        let mut got: ReducedChunks =
+            vec![(info.start as usize..info.end as usize, Arc::new(first))];
+        for i in 1..info.chunks as usize {
+            let (ci, f) = log.chunk(0, i).unwrap();
+            got.push((ci.start as usize..ci.end as usize, Arc::new(f)));
+        }
+        let replayed = Frames::new(got, n).unwrap();
+        let mut c = replica();
+        b.replay(0, &replayed, info.total, info.lost, &info.hash)
+            .unwrap();
+        assert_eq!(b.params_hash(), a.params_hash());
+        assert_eq!(b.snapshot().unwrap(), a.snapshot().unwrap());
+        // An update that does not reach the hash it names is refused.
+        assert!(c.replay(0, &replayed, 16, 2, "0000000000000000").is_err());
+        // Only the newest few are kept.
+        for s in 1..=(KEPT as u64 + 2) {
+            log.record(s, 1, 0, "h", frames.chunks()).unwrap();
+        }
+        assert!(log.chunk(0, 0).is_err() && log.chunk(KEPT as u64 + 2, 0).is_ok());
+    }
+}
