@@ -4,7 +4,8 @@
 //! or joins.
 
 use super::plan::{self, Decision, View};
-use super::round::{self, Key, Layout, Round, Taken, Tally, PART_CHUNK};
+use super::round::{Round, Tally};
+use super::send::{Abandoned, Bulk, Outgoing};
 use super::server::{Inbound, Inbox};
 use super::sync;
 use super::updates::{self, UpdateLog};
@@ -14,301 +15,13 @@ use crate::stage::client::StageClient;
 use crate::stage::registry;
 use crate::stage::replica::Frozen;
 use crate::stage::service::{ReplicaStatus, StageService};
-use crate::wire::msg::{AvgMsg, ErrorKind};
-use crate::wire::{self, CodecSpec, Limits};
-use futures::StreamExt;
+use crate::wire::msg::AvgMsg;
 use libp2p::{Multiaddr, PeerId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-
-/// Control messages waiting to be sent; beyond this, new ones are dropped (and counted):
-/// progress is repeated by the heartbeat, and a round that loses a message retries at its
-/// deadline.
-pub(super) const OUTBOX: usize = 1024;
-
-/// Bulk jobs (a round's parts, reduced chunks) waiting to be sent. A round queues one job
-/// for its parts and one per reduced chunk of its own part.
-pub(super) const BULK_OUTBOX: usize = 8192;
-
-/// Messages being sent at once, per sender.
-const SENDS_IN_FLIGHT: usize = 32;
-
-/// A control message to one replica (never behind a round's bulk data).
-pub(super) struct Outgoing {
-    peer: PeerId,
-    msg: AvgMsg,
-}
-
-/// Bulk data of a round.
-pub(super) enum Bulk {
-    /// This replica's sum, cut into the members' parts and sent chunk by chunk, encoded
-    /// just before each chunk is sent (so the encoded parts are never all in memory).
-    Parts {
-        key: Key,
-        count: u64,
-        sum: Arc<Vec<f32>>,
-        layout: Layout,
-        /// (member index, peer) of every other member.
-        to: Vec<(usize, PeerId)>,
-    },
-    /// One reduced chunk, to every other member.
-    Reduced {
-        key: Key,
-        msg: AvgMsg,
-        frame: Arc<Vec<u8>>,
-        to: Vec<PeerId>,
-    },
-}
-
-/// What a bulk job sends.
-enum Payload {
-    Frame(Arc<Vec<u8>>),
-    Encode {
-        sum: Arc<Vec<f32>>,
-        range: std::ops::Range<usize>,
-    },
-}
-
-/// One call of a bulk job.
-struct Job {
-    key: Key,
-    peer: PeerId,
-    msg: AvgMsg,
-    payload: Payload,
-}
-
-impl Bulk {
-    /// Its calls, the parts' chunks taken round-robin over the members.
-    fn jobs(self) -> Vec<Job> {
-        match self {
-            Bulk::Parts {
-                key,
-                count,
-                sum,
-                layout,
-                to,
-            } => {
-                let most = to.iter().map(|(i, _)| layout.chunks(*i)).max().unwrap_or(0);
-                let mut out = Vec::new();
-                for c in 0..most {
-                    for &(i, peer) in &to {
-                        if let Some(range) = layout.range(i, c) {
-                            out.push(Job {
-                                key,
-                                peer,
-                                msg: AvgMsg::Part {
-                                    step: key.0,
-                                    attempt: key.1,
-                                    count,
-                                    chunk: c,
-                                },
-                                payload: Payload::Encode {
-                                    sum: Arc::clone(&sum),
-                                    range,
-                                },
-                            });
-                        }
-                    }
-                }
-                out
-            }
-            Bulk::Reduced {
-                key,
-                msg,
-                frame,
-                to,
-            } => to
-                .into_iter()
-                .map(|peer| Job {
-                    key,
-                    peer,
-                    msg: msg.clone(),
-                    payload: Payload::Frame(Arc::clone(&frame)),
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Frames at least this long time the uplink (shorter ones mostly time the round trip).
-const MEASURED_FRAME: usize = 64 << 10;
-
-/// Measures the uplink while bulk data is being sent: bytes completed over the time some
-/// were in flight (with many calls in flight, one call's time says little).
-#[derive(Default)]
-struct Meter {
-    in_flight: usize,
-    since: Option<Instant>,
-    bytes: u64,
-}
-
-impl Meter {
-    fn start(&mut self) {
-        if self.in_flight == 0 {
-            self.since = Some(Instant::now());
-            self.bytes = 0;
-        }
-        self.in_flight += 1;
-    }
-
-    /// A call of `bytes` ended (sent, or not); folds a rate into `avg` every second of
-    /// busy time and when the link goes idle.
-    fn end(&mut self, bytes: u64, avg: &AtomicU64) {
-        self.in_flight = self.in_flight.saturating_sub(1);
-        self.bytes += bytes;
-        let Some(since) = self.since else { return };
-        let took = since.elapsed();
-        if (self.in_flight == 0 || took >= Duration::from_secs(1))
-            && self.bytes >= MEASURED_FRAME as u64
-            && took >= Duration::from_millis(20)
-        {
-            fold_rate(avg, self.bytes as usize, took);
-            self.since = Some(Instant::now());
-            self.bytes = 0;
-        }
-        if self.in_flight == 0 {
-            self.since = None;
-        }
-    }
-}
-
-/// Folds a measured rate into the moving average in `avg` (bytes/s).
-fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
-    let rate = (bytes as f64 / took.as_secs_f64().max(1e-6)) as u64;
-    let old = avg.load(Ordering::Relaxed);
-    let new = if old == 0 { rate } else { (3 * old + rate) / 4 };
-    avg.store(new.max(1), Ordering::Relaxed);
-}
-
-fn debug_avg() -> bool {
-    std::env::var_os("SHOAL_DEBUG_AVG").is_some()
-}
-
-/// Sends one message, retrying a round message (a lost one stalls the round until its
-/// deadline) while `live` says its attempt runs; true if it got through.
-async fn send_one(
-    client: &StageClient,
-    stage: usize,
-    peer: PeerId,
-    msg: &AvgMsg,
-    frame: Option<&[u8]>,
-    live: impl Fn() -> bool,
-) -> bool {
-    let tries = if matches!(msg, AvgMsg::Progress { .. }) {
-        1
-    } else {
-        8
-    };
-    for i in 0..tries {
-        if !live() {
-            return false;
-        }
-        match client.send_avg(peer, stage, msg.clone(), frame).await {
-            Ok(()) => return true,
-            // A part for a round that is over: sending it again cannot help.
-            Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return false,
-            Err(e) => {
-                if debug_avg() {
-                    eprintln!("avg send to {peer} failed (try {i}): {e}");
-                }
-                tokio::time::sleep(Duration::from_millis((50u64 << i).min(1000))).await;
-            }
-        }
-    }
-    false
-}
-
-/// Sends the control outbox's messages, at most [`SENDS_IN_FLIGHT`] at once; ends when the
-/// averager drops its side.
-pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver<Outgoing>) {
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
-        .for_each_concurrent(SENDS_IN_FLIGHT, |o| {
-            let client = client.clone();
-            async move {
-                send_one(&client, stage, o.peer, &o.msg, None, || true).await;
-            }
-        })
-        .await;
-}
-
-/// Attempts abandoned (the newest few), shared by the averager and its bulk sender.
-#[derive(Clone, Default)]
-pub(super) struct Abandoned(Arc<std::sync::Mutex<std::collections::VecDeque<Key>>>);
-
-impl Abandoned {
-    fn add(&self, key: Key) {
-        if let Ok(mut a) = self.0.lock() {
-            a.push_back(key);
-            while a.len() > 16 {
-                a.pop_front();
-            }
-        }
-    }
-
-    fn has(&self, key: Key) -> bool {
-        self.0.lock().map(|a| a.contains(&key)).unwrap_or(false)
-    }
-}
-
-/// Sends the rounds' bulk data, at most [`SENDS_IN_FLIGHT`] calls at once, skipping jobs of
-/// abandoned attempts, measuring the uplink into `stats`; ends when the averager drops its
-/// side.
-pub(super) async fn bulk_sender(
-    client: StageClient,
-    stage: usize,
-    codec: CodecSpec,
-    rx: mpsc::Receiver<Bulk>,
-    abandoned: Abandoned,
-    stats: Arc<AvgStats>,
-) {
-    let meter = Arc::new(std::sync::Mutex::new(Meter::default()));
-    let is_live = move |key: Key| !abandoned.has(key);
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
-        .flat_map(|b| futures::stream::iter(b.jobs()))
-        .for_each_concurrent(SENDS_IN_FLIGHT, |job| {
-            let (client, stats, meter) = (client.clone(), Arc::clone(&stats), Arc::clone(&meter));
-            let is_live = is_live.clone();
-            async move {
-                if !is_live(job.key) {
-                    return;
-                }
-                let frame = match job.payload {
-                    Payload::Frame(f) => f,
-                    Payload::Encode { sum, range } => {
-                        let mut f = Vec::new();
-                        let part = &sum[range];
-                        if wire::encode_f32(&[part.len()], part, &codec, &mut f).is_err() {
-                            return;
-                        }
-                        Arc::new(f)
-                    }
-                };
-                let floats = wire::header::parse_header(&frame, &Limits::default())
-                    .map_or(0, |(h, _)| h.elements());
-                if let Ok(mut m) = meter.lock() {
-                    m.start();
-                }
-                let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
-                    is_live(job.key)
-                })
-                .await;
-                let sent = if ok { frame.len() as u64 } else { 0 };
-                if let Ok(mut m) = meter.lock() {
-                    m.end(sent, &stats.uplink);
-                }
-                if ok {
-                    stats.bytes_sent.fetch_add(sent, Ordering::Relaxed);
-                    stats
-                        .raw_bytes
-                        .fetch_add(4 * floats as u64, Ordering::Relaxed);
-                }
-            }
-        })
-        .await;
-}
 
 pub(super) struct State {
     /// This replica announced that it leaves.
@@ -423,7 +136,7 @@ impl State {
         }
     }
 
-    fn status(&self) -> ReplicaStatus {
+    pub(super) fn status(&self) -> ReplicaStatus {
         self.service.status()
     }
 
@@ -440,7 +153,7 @@ impl State {
         }
     }
 
-    fn send_bulk(&self, b: Bulk) {
+    pub(super) fn send_bulk(&self, b: Bulk) {
         if self.bulk.try_send(b).is_err() {
             self.stats.dropped_sends.fetch_add(1, Ordering::Relaxed);
         }
@@ -448,7 +161,7 @@ impl State {
 
     /// Ends the running attempt, `completed` or abandoned: its late parts are refused;
     /// the bulk data of an abandoned one is not sent.
-    fn end_round(&mut self, completed: bool) {
+    pub(super) fn end_round(&mut self, completed: bool) {
         if let Some(r) = self.round.take() {
             self.inbox.close(r.key());
             if !completed {
@@ -459,7 +172,7 @@ impl State {
         self.frozen = None;
     }
 
-    fn debug(&self, what: impl FnOnce() -> String) {
+    pub(super) fn debug(&self, what: impl FnOnce() -> String) {
         if std::env::var_os("SHOAL_DEBUG_AVG").is_some() {
             let me = self.me.to_string();
             let short = &me[me.len().saturating_sub(6)..];
@@ -681,254 +394,5 @@ impl State {
                 .await;
             }
         }
-    }
-
-    /// A part or reduced chunk: taken if it is for the running attempt, kept for later if
-    /// it is for this step and came before its `Members`, else dropped.
-    async fn on_round_data(&mut self, m: Inbound) {
-        let key = match &m.msg {
-            AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } => {
-                (*step, *attempt)
-            }
-            _ => return,
-        };
-        if self.tally.as_ref().map(Tally::key) != Some(key) {
-            if key.0 == self.status().params_step {
-                self.early.push(m);
-            }
-            return;
-        }
-        let Some(frame) = m.frames.into_iter().next() else {
-            return;
-        };
-        match m.msg {
-            AvgMsg::Part { count, chunk, .. } => self.on_part(m.from, chunk, count, &frame),
-            AvgMsg::Reduced {
-                index,
-                total,
-                chunk,
-                ..
-            } => {
-                if let Some(t) = &mut self.tally {
-                    t.add_reduced(index as usize, chunk, Arc::new(frame), total);
-                }
-            }
-            _ => {}
-        }
-        self.try_complete().await;
-    }
-
-    /// Chunk `chunk` of member `from`'s sum for this replica's part.
-    fn on_part(&mut self, from: PeerId, chunk: u32, count: u64, frame: &[u8]) {
-        let (Some(r), Some(frozen)) = (&self.round, &self.frozen) else {
-            return;
-        };
-        let Some(m) = r.members.iter().position(|p| *p == from) else {
-            return;
-        };
-        let Some(range) = self
-            .tally
-            .as_ref()
-            .and_then(|t| t.layout().range(r.index, chunk))
-        else {
-            return;
-        };
-        let mut values = Vec::new();
-        if wire::decode_f32_into(frame, &Limits::default(), &mut values).is_err() {
-            return;
-        }
-        let own = (&frozen.sum[range], frozen.count);
-        let taken = match &mut self.tally {
-            Some(t) => t.add_part(m, chunk, count, &values, own),
-            None => return,
-        };
-        self.on_taken(taken);
-    }
-
-    /// Sends a reduced chunk of this replica's part to the others and keeps it.
-    fn on_taken(&mut self, taken: Taken) {
-        let Taken::Reduced { chunk, avg, total } = taken else {
-            if let Taken::Refused(why) = taken {
-                self.debug(|| format!("part chunk refused: {why}"));
-            }
-            return;
-        };
-        let Some(r) = &self.round else { return };
-        let mut frame = Vec::new();
-        if wire::encode_f32(&[avg.len()], &avg, &self.cfg.codec, &mut frame).is_err() {
-            return;
-        }
-        let frame = Arc::new(frame);
-        let (key, index) = (r.key(), r.index as u32);
-        let to: Vec<PeerId> = r
-            .members
-            .iter()
-            .copied()
-            .filter(|m| *m != self.me)
-            .collect();
-        let msg = AvgMsg::Reduced {
-            step: key.0,
-            attempt: key.1,
-            index,
-            total,
-            chunk,
-        };
-        if let Some(t) = &mut self.tally {
-            // Every member, this one too, applies exactly what was encoded.
-            t.add_reduced(index as usize, chunk, Arc::clone(&frame), total);
-        }
-        if !to.is_empty() {
-            self.send_bulk(Bulk::Reduced {
-                key,
-                msg,
-                frame,
-                to,
-            });
-        }
-    }
-
-    async fn on_members(&mut self, step: u64, attempt: u32, members: Vec<PeerId>, lost: u64) {
-        let st = self.status();
-        if step != st.params_step {
-            self.debug(|| {
-                format!(
-                    "ignored members {step}/{attempt} at step {}",
-                    st.params_step
-                )
-            });
-            return;
-        }
-        let Some(index) = members.iter().position(|p| *p == self.me) else {
-            return;
-        };
-        if self.round.as_ref().map(Round::key) == Some((step, attempt)) {
-            return;
-        }
-        let Ok(frozen) = self.service.freeze(step) else {
-            self.debug(|| format!("freeze {step} failed"));
-            return;
-        };
-        let key: Key = (step, attempt);
-        let uplinks: Vec<u64> = members
-            .iter()
-            .map(|m| match self.views.get(m) {
-                Some(v) => v.uplink,
-                None => self.stats.uplink.load(Ordering::Relaxed),
-            })
-            .collect();
-        let timeout = plan::round_timeout(
-            self.cfg.round_timeout,
-            self.gradient_bytes,
-            members.len(),
-            &uplinks,
-        );
-        // A new attempt replaces any other.
-        self.end_round(false);
-        let layout = Layout::new(frozen.sum.len(), members.len(), PART_CHUNK);
-        self.round = Some(Round {
-            step,
-            attempt,
-            members: members.clone(),
-            index,
-            lost,
-            deadline: Instant::now() + timeout,
-            started: Instant::now(),
-        });
-        self.tally = Some(Tally::new(key, layout.clone(), index));
-        let to: Vec<(usize, PeerId)> = members
-            .iter()
-            .copied()
-            .enumerate()
-            .filter(|(i, _)| *i != index)
-            .collect();
-        if to.is_empty() {
-            // A round of one: its own sum is the average.
-            for c in 0..layout.chunks(index) {
-                let Some(range) = layout.range(index, c) else {
-                    continue;
-                };
-                let taken = match &mut self.tally {
-                    Some(t) => t.reduce_alone(c, (&frozen.sum[range], frozen.count)),
-                    None => continue,
-                };
-                self.on_taken(taken);
-            }
-        } else {
-            self.send_bulk(Bulk::Parts {
-                key,
-                count: frozen.count,
-                sum: Arc::clone(&frozen.sum),
-                layout,
-                to,
-            });
-        }
-        self.frozen = Some(frozen);
-        // Parts that came before this round's members.
-        let early = std::mem::take(&mut self.early);
-        for m in early {
-            let k = match &m.msg {
-                AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } => {
-                    (*step, *attempt)
-                }
-                _ => continue,
-            };
-            if k == key {
-                self.on_round_data(m).await;
-            } else if k.0 == step {
-                self.early.push(m);
-            }
-        }
-        self.try_complete().await;
-    }
-
-    async fn try_complete(&mut self) {
-        let (Some(r), Some(t)) = (&self.round, &mut self.tally) else {
-            return;
-        };
-        let Some((chunks, total)) = t.take_reduced() else {
-            return;
-        };
-        let (step, lost, started, n) = (r.step, r.lost, r.started, self.n);
-        let took = started.elapsed();
-        // Communication is over: the frozen sum is no longer needed.
-        self.end_round(true);
-        self.early.retain(|m| {
-            !matches!(&m.msg, AvgMsg::Part { step: s, .. } | AvgMsg::Reduced { step: s, .. } if *s <= step)
-        });
-        let replica = self.service.replica();
-        let log = Arc::clone(&self.log);
-        let applied = tokio::task::spawn_blocking(move || {
-            let avg = round::Frames::new(chunks, n)?;
-            let mut r = replica.blocking_lock();
-            r.apply(step, &avg, total, lost)
-                .map_err(|e| e.to_string())?;
-            // Kept for replicas that catch up (losing it only costs them a download).
-            if let Ok(mut l) = log.lock() {
-                let _ = l.record(step, total, lost, r.params_hash(), avg.chunks());
-            }
-            Ok::<(), String>(())
-        })
-        .await;
-        match applied {
-            Ok(Ok(())) => {
-                self.debug(|| {
-                    format!(
-                        "applied {step}: averaged in {:.1} ms, applied after {:.1} ms, {total} samples",
-                        took.as_secs_f64() * 1e3,
-                        started.elapsed().as_secs_f64() * 1e3
-                    )
-                });
-                self.stats.rounds.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .round_us
-                    .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
-                self.stats.record_round(took.as_secs_f64() * 1e3);
-            }
-            Ok(Err(e)) => self.debug(|| format!("step {step} not applied: {e}")),
-            Err(e) => self.debug(|| format!("step {step} not applied: {e}")),
-        }
-        self.service.refresh_status().await;
-        self.step
-            .store(self.status().params_step, Ordering::Relaxed);
     }
 }

@@ -4,7 +4,9 @@
 //! - [`plan`]: the pure decisions (who leads, who is behind, who died).
 //! - [`round`]: one round's bookkeeping (parts in, reduced parts in, completion).
 //! - [`reduce`]: the pure arithmetic (how the flat gradient is cut, how a part is reduced).
-//! - `actor`: the averager task of one replica (messages in and out, rounds run).
+//! - `actor`: the averager task of one replica (messages in and out, rounds run);
+//!   `exchange`: a round as it runs; `send`: its senders (control messages, and a
+//!   round's bulk data).
 //! - [`server`]: the replica's answers to averaging messages and state requests.
 //! - [`sync`]: state download for joiners and for replicas that fell behind.
 //! - [`spill`]: the snapshot a donor serves, on disk.
@@ -37,9 +39,11 @@
 //! the leader) downloads the state again ([`sync`]).
 
 mod actor;
+mod exchange;
 pub mod plan;
 pub mod reduce;
 pub mod round;
+mod send;
 pub mod server;
 pub mod spill;
 pub mod sync;
@@ -255,11 +259,11 @@ impl Averager {
                 .with_log(Arc::clone(&log)),
         ));
         let stats = Arc::new(AvgStats::default());
-        let (out_tx, out_rx) = mpsc::channel(actor::OUTBOX);
-        tokio::spawn(actor::sender(client.clone(), service.stage(), out_rx));
-        let (bulk_tx, bulk_rx) = mpsc::channel(actor::BULK_OUTBOX);
-        let abandoned = actor::Abandoned::default();
-        tokio::spawn(actor::bulk_sender(
+        let (out_tx, out_rx) = mpsc::channel(send::OUTBOX);
+        tokio::spawn(send::sender(client.clone(), service.stage(), out_rx));
+        let (bulk_tx, bulk_rx) = mpsc::channel(send::BULK_OUTBOX);
+        let abandoned = send::Abandoned::default();
+        tokio::spawn(send::bulk_sender(
             client.clone(),
             service.stage(),
             cfg.codec,

@@ -1,0 +1,273 @@
+//! A round as one replica runs it: the members message starts it (freeze, send the
+//! parts chunk by chunk), parts of this replica's part are reduced chunk by chunk as they
+//! arrive, reduced chunks are collected, and the update is applied (and kept for replicas
+//! that catch up) once every chunk is in. The rest of the averager is in `actor`.
+
+use super::actor::State;
+use super::plan;
+use super::round::{self, Key, Layout, Round, Taken, Tally, PART_CHUNK};
+use super::send::Bulk;
+use super::server::Inbound;
+use crate::wire::msg::AvgMsg;
+use crate::wire::{self, Limits};
+use libp2p::PeerId;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl State {
+    /// A part or reduced chunk: taken if it is for the running attempt, kept for later if
+    /// it is for this step and came before its `Members`, else dropped.
+    pub(super) async fn on_round_data(&mut self, m: Inbound) {
+        let key = match &m.msg {
+            AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } => {
+                (*step, *attempt)
+            }
+            _ => return,
+        };
+        if self.tally.as_ref().map(Tally::key) != Some(key) {
+            if key.0 == self.status().params_step {
+                self.early.push(m);
+            }
+            return;
+        }
+        let Some(frame) = m.frames.into_iter().next() else {
+            return;
+        };
+        match m.msg {
+            AvgMsg::Part { count, chunk, .. } => self.on_part(m.from, chunk, count, &frame),
+            AvgMsg::Reduced {
+                index,
+                total,
+                chunk,
+                ..
+            } => {
+                if let Some(t) = &mut self.tally {
+                    t.add_reduced(index as usize, chunk, Arc::new(frame), total);
+                }
+            }
+            _ => {}
+        }
+        self.try_complete().await;
+    }
+
+    /// Chunk `chunk` of member `from`'s sum for this replica's part.
+    fn on_part(&mut self, from: PeerId, chunk: u32, count: u64, frame: &[u8]) {
+        let (Some(r), Some(frozen)) = (&self.round, &self.frozen) else {
+            return;
+        };
+        let Some(m) = r.members.iter().position(|p| *p == from) else {
+            return;
+        };
+        let Some(range) = self
+            .tally
+            .as_ref()
+            .and_then(|t| t.layout().range(r.index, chunk))
+        else {
+            return;
+        };
+        let mut values = Vec::new();
+        if wire::decode_f32_into(frame, &Limits::default(), &mut values).is_err() {
+            return;
+        }
+        let own = (&frozen.sum[range], frozen.count);
+        let taken = match &mut self.tally {
+            Some(t) => t.add_part(m, chunk, count, &values, own),
+            None => return,
+        };
+        self.on_taken(taken);
+    }
+
+    /// Sends a reduced chunk of this replica's part to the others and keeps it.
+    fn on_taken(&mut self, taken: Taken) {
+        let Taken::Reduced { chunk, avg, total } = taken else {
+            if let Taken::Refused(why) = taken {
+                self.debug(|| format!("part chunk refused: {why}"));
+            }
+            return;
+        };
+        let Some(r) = &self.round else { return };
+        let mut frame = Vec::new();
+        if wire::encode_f32(&[avg.len()], &avg, &self.cfg.codec, &mut frame).is_err() {
+            return;
+        }
+        let frame = Arc::new(frame);
+        let (key, index) = (r.key(), r.index as u32);
+        let to: Vec<PeerId> = r
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != self.me)
+            .collect();
+        let msg = AvgMsg::Reduced {
+            step: key.0,
+            attempt: key.1,
+            index,
+            total,
+            chunk,
+        };
+        if let Some(t) = &mut self.tally {
+            // Every member, this one too, applies exactly what was encoded.
+            t.add_reduced(index as usize, chunk, Arc::clone(&frame), total);
+        }
+        if !to.is_empty() {
+            self.send_bulk(Bulk::Reduced {
+                key,
+                msg,
+                frame,
+                to,
+            });
+        }
+    }
+
+    pub(super) async fn on_members(
+        &mut self,
+        step: u64,
+        attempt: u32,
+        members: Vec<PeerId>,
+        lost: u64,
+    ) {
+        let st = self.status();
+        if step != st.params_step {
+            self.debug(|| {
+                format!(
+                    "ignored members {step}/{attempt} at step {}",
+                    st.params_step
+                )
+            });
+            return;
+        }
+        let Some(index) = members.iter().position(|p| *p == self.me) else {
+            return;
+        };
+        if self.round.as_ref().map(Round::key) == Some((step, attempt)) {
+            return;
+        }
+        let Ok(frozen) = self.service.freeze(step) else {
+            self.debug(|| format!("freeze {step} failed"));
+            return;
+        };
+        let key: Key = (step, attempt);
+        let uplinks: Vec<u64> = members
+            .iter()
+            .map(|m| match self.views.get(m) {
+                Some(v) => v.uplink,
+                None => self.stats.uplink.load(Ordering::Relaxed),
+            })
+            .collect();
+        let timeout = plan::round_timeout(
+            self.cfg.round_timeout,
+            self.gradient_bytes,
+            members.len(),
+            &uplinks,
+        );
+        // A new attempt replaces any other.
+        self.end_round(false);
+        let layout = Layout::new(frozen.sum.len(), members.len(), PART_CHUNK);
+        self.round = Some(Round {
+            step,
+            attempt,
+            members: members.clone(),
+            index,
+            lost,
+            deadline: Instant::now() + timeout,
+            started: Instant::now(),
+        });
+        self.tally = Some(Tally::new(key, layout.clone(), index));
+        let to: Vec<(usize, PeerId)> = members
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(i, _)| *i != index)
+            .collect();
+        if to.is_empty() {
+            // A round of one: its own sum is the average.
+            for c in 0..layout.chunks(index) {
+                let Some(range) = layout.range(index, c) else {
+                    continue;
+                };
+                let taken = match &mut self.tally {
+                    Some(t) => t.reduce_alone(c, (&frozen.sum[range], frozen.count)),
+                    None => continue,
+                };
+                self.on_taken(taken);
+            }
+        } else {
+            self.send_bulk(Bulk::Parts {
+                key,
+                count: frozen.count,
+                sum: Arc::clone(&frozen.sum),
+                layout,
+                to,
+            });
+        }
+        self.frozen = Some(frozen);
+        // Parts that came before this round's members.
+        let early = std::mem::take(&mut self.early);
+        for m in early {
+            let k = match &m.msg {
+                AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } => {
+                    (*step, *attempt)
+                }
+                _ => continue,
+            };
+            if k == key {
+                self.on_round_data(m).await;
+            } else if k.0 == step {
+                self.early.push(m);
+            }
+        }
+        self.try_complete().await;
+    }
+
+    async fn try_complete(&mut self) {
+        let (Some(r), Some(t)) = (&self.round, &mut self.tally) else {
+            return;
+        };
+        let Some((chunks, total)) = t.take_reduced() else {
+            return;
+        };
+        let (step, lost, started, n) = (r.step, r.lost, r.started, self.n);
+        let took = started.elapsed();
+        // Communication is over: the frozen sum is no longer needed.
+        self.end_round(true);
+        self.early.retain(|m| {
+            !matches!(&m.msg, AvgMsg::Part { step: s, .. } | AvgMsg::Reduced { step: s, .. } if *s <= step)
+        });
+        let replica = self.service.replica();
+        let log = Arc::clone(&self.log);
+        let applied = tokio::task::spawn_blocking(move || {
+            let avg = round::Frames::new(chunks, n)?;
+            let mut r = replica.blocking_lock();
+            r.apply(step, &avg, total, lost)
+                .map_err(|e| e.to_string())?;
+            // Kept for replicas that catch up (losing it only costs them a download).
+            if let Ok(mut l) = log.lock() {
+                let _ = l.record(step, total, lost, r.params_hash(), avg.chunks());
+            }
+            Ok::<(), String>(())
+        })
+        .await;
+        match applied {
+            Ok(Ok(())) => {
+                self.debug(|| {
+                    format!(
+                        "applied {step}: averaged in {:.1} ms, applied after {:.1} ms, {total} samples",
+                        took.as_secs_f64() * 1e3,
+                        started.elapsed().as_secs_f64() * 1e3
+                    )
+                });
+                self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .round_us
+                    .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+                self.stats.record_round(took.as_secs_f64() * 1e3);
+            }
+            Ok(Err(e)) => self.debug(|| format!("step {step} not applied: {e}")),
+            Err(e) => self.debug(|| format!("step {step} not applied: {e}")),
+        }
+        self.service.refresh_status().await;
+        self.step
+            .store(self.status().params_step, Ordering::Relaxed);
+    }
+}

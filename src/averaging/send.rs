@@ -1,0 +1,302 @@
+//! The averager's outgoing side: control messages (progress, members, leave) on one
+//! sender, a round's bulk data (parts chunk by chunk, reduced chunks) on another, so a
+//! heartbeat never waits behind megabytes of parts. The bulk sender encodes each part chunk
+//! just before it goes out, skips the jobs of abandoned attempts, and measures the uplink.
+
+use super::round::{Key, Layout};
+use super::AvgStats;
+use crate::stage::client::StageClient;
+use crate::wire::msg::{AvgMsg, ErrorKind};
+use crate::wire::{self, CodecSpec, Limits};
+use futures::StreamExt;
+use libp2p::PeerId;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Control messages waiting to be sent; beyond this, new ones are dropped (and counted):
+/// progress is repeated by the heartbeat, and a round that loses a message retries at its
+/// deadline.
+pub(super) const OUTBOX: usize = 1024;
+
+/// Bulk jobs (a round's parts, reduced chunks) waiting to be sent. A round queues one job
+/// for its parts and one per reduced chunk of its own part.
+pub(super) const BULK_OUTBOX: usize = 8192;
+
+/// Messages being sent at once, per sender.
+const SENDS_IN_FLIGHT: usize = 32;
+
+/// A control message to one replica (never behind a round's bulk data).
+pub(super) struct Outgoing {
+    pub(super) peer: PeerId,
+    pub(super) msg: AvgMsg,
+}
+
+/// Bulk data of a round.
+pub(super) enum Bulk {
+    /// This replica's sum, cut into the members' parts and sent chunk by chunk, encoded
+    /// just before each chunk is sent (so the encoded parts are never all in memory).
+    Parts {
+        key: Key,
+        count: u64,
+        sum: Arc<Vec<f32>>,
+        layout: Layout,
+        /// (member index, peer) of every other member.
+        to: Vec<(usize, PeerId)>,
+    },
+    /// One reduced chunk, to every other member.
+    Reduced {
+        key: Key,
+        msg: AvgMsg,
+        frame: Arc<Vec<u8>>,
+        to: Vec<PeerId>,
+    },
+}
+
+/// What a bulk job sends.
+enum Payload {
+    Frame(Arc<Vec<u8>>),
+    Encode {
+        sum: Arc<Vec<f32>>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+/// One call of a bulk job.
+struct Job {
+    key: Key,
+    peer: PeerId,
+    msg: AvgMsg,
+    payload: Payload,
+}
+
+impl Bulk {
+    /// Its calls, the parts' chunks taken round-robin over the members.
+    fn jobs(self) -> Vec<Job> {
+        match self {
+            Bulk::Parts {
+                key,
+                count,
+                sum,
+                layout,
+                to,
+            } => {
+                let most = to.iter().map(|(i, _)| layout.chunks(*i)).max().unwrap_or(0);
+                let mut out = Vec::new();
+                for c in 0..most {
+                    for &(i, peer) in &to {
+                        if let Some(range) = layout.range(i, c) {
+                            out.push(Job {
+                                key,
+                                peer,
+                                msg: AvgMsg::Part {
+                                    step: key.0,
+                                    attempt: key.1,
+                                    count,
+                                    chunk: c,
+                                },
+                                payload: Payload::Encode {
+                                    sum: Arc::clone(&sum),
+                                    range,
+                                },
+                            });
+                        }
+                    }
+                }
+                out
+            }
+            Bulk::Reduced {
+                key,
+                msg,
+                frame,
+                to,
+            } => to
+                .into_iter()
+                .map(|peer| Job {
+                    key,
+                    peer,
+                    msg: msg.clone(),
+                    payload: Payload::Frame(Arc::clone(&frame)),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Frames at least this long time the uplink (shorter ones mostly time the round trip).
+const MEASURED_FRAME: usize = 64 << 10;
+
+/// Measures the uplink while bulk data is being sent: bytes completed over the time some
+/// were in flight (with many calls in flight, one call's time says little).
+#[derive(Default)]
+struct Meter {
+    in_flight: usize,
+    since: Option<Instant>,
+    bytes: u64,
+}
+
+impl Meter {
+    fn start(&mut self) {
+        if self.in_flight == 0 {
+            self.since = Some(Instant::now());
+            self.bytes = 0;
+        }
+        self.in_flight += 1;
+    }
+
+    /// A call of `bytes` ended (sent, or not); folds a rate into `avg` every second of
+    /// busy time and when the link goes idle.
+    fn end(&mut self, bytes: u64, avg: &AtomicU64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.bytes += bytes;
+        let Some(since) = self.since else { return };
+        let took = since.elapsed();
+        if (self.in_flight == 0 || took >= Duration::from_secs(1))
+            && self.bytes >= MEASURED_FRAME as u64
+            && took >= Duration::from_millis(20)
+        {
+            fold_rate(avg, self.bytes as usize, took);
+            self.since = Some(Instant::now());
+            self.bytes = 0;
+        }
+        if self.in_flight == 0 {
+            self.since = None;
+        }
+    }
+}
+
+/// Folds a measured rate into the moving average in `avg` (bytes/s).
+fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
+    let rate = (bytes as f64 / took.as_secs_f64().max(1e-6)) as u64;
+    let old = avg.load(Ordering::Relaxed);
+    let new = if old == 0 { rate } else { (3 * old + rate) / 4 };
+    avg.store(new.max(1), Ordering::Relaxed);
+}
+
+fn debug_avg() -> bool {
+    std::env::var_os("SHOAL_DEBUG_AVG").is_some()
+}
+
+/// Sends one message, retrying a round message (a lost one stalls the round until its
+/// deadline) while `live` says its attempt runs; true if it got through.
+async fn send_one(
+    client: &StageClient,
+    stage: usize,
+    peer: PeerId,
+    msg: &AvgMsg,
+    frame: Option<&[u8]>,
+    live: impl Fn() -> bool,
+) -> bool {
+    let tries = if matches!(msg, AvgMsg::Progress { .. }) {
+        1
+    } else {
+        8
+    };
+    for i in 0..tries {
+        if !live() {
+            return false;
+        }
+        match client.send_avg(peer, stage, msg.clone(), frame).await {
+            Ok(()) => return true,
+            // A part for a round that is over: sending it again cannot help.
+            Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return false,
+            Err(e) => {
+                if debug_avg() {
+                    eprintln!("avg send to {peer} failed (try {i}): {e}");
+                }
+                tokio::time::sleep(Duration::from_millis((50u64 << i).min(1000))).await;
+            }
+        }
+    }
+    false
+}
+
+/// Sends the control outbox's messages, at most [`SENDS_IN_FLIGHT`] at once; ends when the
+/// averager drops its side.
+pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver<Outgoing>) {
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
+        .for_each_concurrent(SENDS_IN_FLIGHT, |o| {
+            let client = client.clone();
+            async move {
+                send_one(&client, stage, o.peer, &o.msg, None, || true).await;
+            }
+        })
+        .await;
+}
+
+/// Attempts abandoned (the newest few), shared by the averager and its bulk sender.
+#[derive(Clone, Default)]
+pub(super) struct Abandoned(Arc<std::sync::Mutex<std::collections::VecDeque<Key>>>);
+
+impl Abandoned {
+    pub(super) fn add(&self, key: Key) {
+        if let Ok(mut a) = self.0.lock() {
+            a.push_back(key);
+            while a.len() > 16 {
+                a.pop_front();
+            }
+        }
+    }
+
+    fn has(&self, key: Key) -> bool {
+        self.0.lock().map(|a| a.contains(&key)).unwrap_or(false)
+    }
+}
+
+/// Sends the rounds' bulk data, at most [`SENDS_IN_FLIGHT`] calls at once, skipping jobs of
+/// abandoned attempts, measuring the uplink into `stats`; ends when the averager drops its
+/// side.
+pub(super) async fn bulk_sender(
+    client: StageClient,
+    stage: usize,
+    codec: CodecSpec,
+    rx: mpsc::Receiver<Bulk>,
+    abandoned: Abandoned,
+    stats: Arc<AvgStats>,
+) {
+    let meter = Arc::new(std::sync::Mutex::new(Meter::default()));
+    let is_live = move |key: Key| !abandoned.has(key);
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
+        .flat_map(|b| futures::stream::iter(b.jobs()))
+        .for_each_concurrent(SENDS_IN_FLIGHT, |job| {
+            let (client, stats, meter) = (client.clone(), Arc::clone(&stats), Arc::clone(&meter));
+            let is_live = is_live.clone();
+            async move {
+                if !is_live(job.key) {
+                    return;
+                }
+                let frame = match job.payload {
+                    Payload::Frame(f) => f,
+                    Payload::Encode { sum, range } => {
+                        let mut f = Vec::new();
+                        let part = &sum[range];
+                        if wire::encode_f32(&[part.len()], part, &codec, &mut f).is_err() {
+                            return;
+                        }
+                        Arc::new(f)
+                    }
+                };
+                let floats = wire::header::parse_header(&frame, &Limits::default())
+                    .map_or(0, |(h, _)| h.elements());
+                if let Ok(mut m) = meter.lock() {
+                    m.start();
+                }
+                let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
+                    is_live(job.key)
+                })
+                .await;
+                let sent = if ok { frame.len() as u64 } else { 0 };
+                if let Ok(mut m) = meter.lock() {
+                    m.end(sent, &stats.uplink);
+                }
+                if ok {
+                    stats.bytes_sent.fetch_add(sent, Ordering::Relaxed);
+                    stats
+                        .raw_bytes
+                        .fetch_add(4 * floats as u64, Ordering::Relaxed);
+                }
+            }
+        })
+        .await;
+}
