@@ -11,6 +11,7 @@ use super::round::{Frames, ReducedChunks};
 use crate::stage::client::StageClient;
 use crate::stage::replica::Replica;
 use crate::wire::msg::UpdateInfo;
+use futures::StreamExt;
 use libp2p::PeerId;
 use std::collections::VecDeque;
 use std::fs::File;
@@ -23,6 +24,9 @@ use std::sync::Arc;
 /// parameter), so a joiner whose download took twelve steps still catches up by replay.
 /// They are on disk: up to 12 bytes per parameter in `$TMPDIR` (48 with f32 gradients).
 pub const KEPT: usize = 12;
+
+/// Update chunks a replica catching up has in flight.
+const IN_FLIGHT: usize = 8;
 
 /// One applied update on disk.
 struct Entry {
@@ -141,11 +145,15 @@ pub async fn catch_up(
             };
             let mut chunks: ReducedChunks = Vec::with_capacity(info.chunks as usize);
             chunks.push((info.start as usize..info.end as usize, Arc::new(first)));
-            for i in 1..info.chunks {
-                let (ci, f) = client
-                    .state_update(d, stage, step, i)
-                    .await
-                    .map_err(|e| format!("update chunk {i} of step {step} from {d}: {e}"))?;
+            // A few calls in flight, so the link's round trip does not idle it.
+            let rest: Vec<_> = futures::stream::iter(1..info.chunks)
+                .map(|i| async move { (i, client.state_update(d, stage, step, i).await) })
+                .buffered(IN_FLIGHT)
+                .collect()
+                .await;
+            for (i, got) in rest {
+                let (ci, f) =
+                    got.map_err(|e| format!("update chunk {i} of step {step} from {d}: {e}"))?;
                 if ci.step != step || ci.total != info.total || ci.hash != info.hash {
                     return Err(format!("donor {d} changed its update of step {step}"));
                 }
