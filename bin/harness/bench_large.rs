@@ -287,8 +287,14 @@ fn run_in(
         .iter()
         .map(|(k, s)| (k.clone(), s.avg.rounds))
         .collect();
-    let end = Instant::now() + window;
-    while Instant::now() < end {
+    // The window lasts at least `window`, and until the joiner has taken part in a round
+    // (four minutes at most).
+    let opened = Instant::now();
+    let joined =
+        |seen: &HashMap<String, Seen>| seen.get("joiner").is_some_and(|s| s.avg.rounds > 0);
+    while opened.elapsed() < window
+        || (!joined(&seen) && opened.elapsed() < Duration::from_secs(240))
+    {
         std::thread::sleep(Duration::from_millis(500));
         for (name, e) in read(&mut all, &mut seen) {
             if let Event::SyncRetry { error, .. } = e {
