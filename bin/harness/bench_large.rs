@@ -14,11 +14,10 @@
 //! Memory is every replica's peak resident set, the joiner's included, against the stage's
 //! state (parameters + two moments, f32).
 
-use super::bench_swarm::{replica_args, trainer_args};
+use super::bench_swarm::{in_scratch, replica_args, start_run, trainer_args};
 use super::scenarios::{BenchOptions, ReplicaSpec, Row, Setup};
-use super::{spawn_bootstrap, stop_all, HarnessError, Proc};
+use super::{stop_all, HarnessError, Proc};
 use shoal::averaging::AvgSnapshot;
-use shoal::dht::Manifest;
 use shoal::swarm::events::Event;
 use std::collections::HashMap;
 use std::path::Path;
@@ -121,11 +120,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs the large scenario.
 pub fn run(setup: &Setup, opts: &BenchOptions, out: &dyn Fn(String)) -> Result<Row, HarnessError> {
-    let dir = std::env::temp_dir().join(format!("shoal-bench-{}-large", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
-    let r = run_in(setup, opts, &dir, out);
-    let _ = std::fs::remove_dir_all(&dir);
-    r
+    in_scratch(setup, |dir| run_in(setup, opts, dir, out))
 }
 
 fn run_in(
@@ -134,11 +129,8 @@ fn run_in(
     dir: &Path,
     out: &dyn Fn(String),
 ) -> Result<Row, HarnessError> {
-    let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
-    let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
-    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
-    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    let (m, mut boot, baddr) = start_run(setup, exe, dir)?;
     let in_flight = setup.concurrency * setup.trainers.len();
     let params = stage_params(setup);
     let stage_params = params.iter().copied().max().unwrap_or(0);

@@ -167,15 +167,37 @@ pub fn run_setup(
     opts: &BenchOptions,
     out: &dyn Fn(String),
 ) -> Result<Row, HarnessError> {
+    in_scratch(setup, |dir| run_in(setup, opts, dir, out))
+}
+
+/// Runs `f` in a fresh scratch folder for `setup`, removed afterwards.
+pub(super) fn in_scratch<T>(
+    setup: &Setup,
+    f: impl FnOnce(&Path) -> Result<T, HarnessError>,
+) -> Result<T, HarnessError> {
     let dir = std::env::temp_dir().join(format!(
         "shoal-bench-{}-{}",
         std::process::id(),
         setup.label.replace('/', "-")
     ));
     std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
-    let r = run_in(setup, opts, &dir, out);
+    let r = f(&dir);
     let _ = std::fs::remove_dir_all(&dir);
     r
+}
+
+/// Writes `setup`'s manifest into `dir` and starts its bootstrap peer: the manifest, the
+/// bootstrap and its address.
+pub(super) fn start_run(
+    setup: &Setup,
+    exe: &Path,
+    dir: &Path,
+) -> Result<(Manifest, Proc, String), HarnessError> {
+    let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
+    let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
+    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
+    let (boot, baddr) = spawn_bootstrap(exe, dir)?;
+    Ok((m, boot, baddr))
 }
 
 fn run_in(
@@ -184,11 +206,8 @@ fn run_in(
     dir: &Path,
     out: &dyn Fn(String),
 ) -> Result<Row, HarnessError> {
-    let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
-    let m = Manifest::from_config(&setup.run).map_err(|e| err(&e))?;
-    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
-    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    let (m, mut boot, baddr) = start_run(setup, exe, dir)?;
     let in_flight = setup.concurrency * setup.trainers.len();
     let mut peers: Vec<(usize, Proc)> = Vec::new();
     let mut compute = Vec::new();

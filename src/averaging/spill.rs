@@ -79,17 +79,25 @@ impl ChunkWriter<'_> {
     }
 }
 
-/// Makes a file name no other snapshot of this machine uses.
-fn unique_name() -> String {
+/// A new file in `dir`, open for reading and writing and already unlinked: it lives until
+/// it is dropped and never outlives the process. `what` goes into its (short-lived) name.
+pub fn unlinked_file(dir: &Path, what: &str) -> std::io::Result<File> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    format!(
-        "shoal-state-{}-{nanos}-{}",
+    let path = dir.join(format!(
+        "shoal-{what}-{}-{nanos}-{}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    ));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)?;
+    std::fs::remove_file(&path)?;
+    Ok(file)
 }
 
 impl Spill {
@@ -100,15 +108,7 @@ impl Spill {
             dir: dir.to_path_buf(),
             source,
         };
-        let path = dir.join(unique_name());
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io)?;
-        // Unlinked now: the open file lives until it is dropped, and never outlives us.
-        std::fs::remove_file(&path).map_err(io)?;
+        let file = unlinked_file(dir, "state").map_err(io)?;
         let chunk = chunk.max(1);
         let mut w = ChunkWriter {
             file: &file,

@@ -60,19 +60,8 @@ impl UpdateLog {
         chunks: &ReducedChunks,
     ) -> Result<(), LogError> {
         let dir = std::env::temp_dir();
-        let path = dir.join(format!(
-            "shoal-update-{}-{step}-{}",
-            std::process::id(),
-            self.entries.back().map_or(0, |e| e.step + 1)
-        ));
         let io = |e: std::io::Error| format!("update log in {}: {e}", dir.display());
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io)?;
-        std::fs::remove_file(&path).map_err(io)?;
+        let mut file = super::spill::unlinked_file(&dir, "update").map_err(io)?;
         let mut at = 0u64;
         let mut index = Vec::with_capacity(chunks.len());
         for (range, frame) in chunks {
