@@ -96,27 +96,6 @@ pub fn flatten(ts: &[Tensor]) -> Result<Vec<f32>, ModelError> {
     Ok(out)
 }
 
-/// Cuts a flat vector back into tensors shaped (and typed, and placed) like `like`.
-pub fn unflatten(flat: &[f32], like: &[Tensor]) -> Result<Vec<Tensor>, ModelError> {
-    let n: usize = like.iter().map(|t| t.elem_count()).sum();
-    if flat.len() != n {
-        return Err(ModelError::BadInput(format!(
-            "{} values for {n} parameters",
-            flat.len()
-        )));
-    }
-    let mut at = 0;
-    let mut out = Vec::with_capacity(like.len());
-    for t in like {
-        let k = t.elem_count();
-        let part =
-            Tensor::from_slice(&flat[at..at + k], t.dims(), t.device())?.to_dtype(t.dtype())?;
-        out.push(part);
-        at += k;
-    }
-    Ok(out)
-}
-
 fn hash_of(stage: &Stage) -> Result<String, ModelError> {
     Ok(format!("{:016x}", stage.params().hash()?))
 }
@@ -379,26 +358,15 @@ impl Replica {
         Ok(())
     }
 
-    /// The whole state, for a joiner.
+    /// The whole state, for a joiner, in memory (the layout [`Self::write_state`] streams).
     pub fn snapshot(&self) -> Result<Snapshot, ModelError> {
-        let params: Vec<Tensor> = self
-            .stage
-            .params()
-            .vars()
-            .iter()
-            .map(|v| v.as_tensor().clone())
-            .collect();
-        let (m, v) = self.opt.moments();
-        let mut flat = flatten(&params)?;
-        flat.extend(flatten(m)?);
-        flat.extend(flatten(v)?);
-        Ok(Snapshot {
-            step: self.params_step,
-            flat,
-            params_hash: self.params_hash.clone(),
-            samples_applied: self.samples_applied,
-            samples_lost: self.samples_lost,
-        })
+        let mut flat = Vec::with_capacity(self.snapshot_len());
+        let mut snap = self.write_state(&mut |v| {
+            flat.extend_from_slice(v);
+            Ok(())
+        })?;
+        snap.flat = flat;
+        Ok(snap)
     }
 
     /// Streams the whole state (parameters, then first moments, then second moments, in
