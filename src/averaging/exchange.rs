@@ -5,7 +5,7 @@
 
 use super::actor::State;
 use super::plan;
-use super::round::{self, Key, Layout, Round, Taken, Tally, PART_CHUNK};
+use super::round::{self, Key, Layout, Round, Taken, Tally};
 use super::send::Bulk;
 use super::server::Inbound;
 use crate::wire::msg::AvgMsg;
@@ -59,20 +59,21 @@ impl State {
         let Some(m) = r.members.iter().position(|p| *p == from) else {
             return;
         };
-        let Some(range) = self
-            .tally
-            .as_ref()
-            .and_then(|t| t.layout().range(r.index, chunk))
-        else {
+        let Some(range) = self.tally.as_ref().and_then(|t| t.layout().range(chunk)) else {
             return;
         };
         let mut values = Vec::new();
         if wire::decode_f32_into(frame, &Limits::default(), &mut values).is_err() {
             return;
         }
-        let own = (&frozen.sum[range], frozen.count);
+        let Ok(own) = frozen.sum.decode(chunk) else {
+            return;
+        };
+        if own.len() != range.len() {
+            return;
+        }
         let taken = match &mut self.tally {
-            Some(t) => t.add_part(m, chunk, count, &values, own),
+            Some(t) => t.add_part(m, chunk, count, &values, (&own, frozen.count)),
             None => return,
         };
         self.on_taken(taken);
@@ -143,7 +144,11 @@ impl State {
         if self.round.as_ref().map(Round::key) == Some((step, attempt)) {
             return;
         }
-        let Ok(frozen) = self.service.freeze(step) else {
+        // Encoding the sum takes a while for a large stage: off the async threads.
+        let (service, codec) = (Arc::clone(&self.service), self.cfg.codec);
+        let chunk = round::chunk_for(self.n);
+        let frozen = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec)).await;
+        let Ok(Ok(frozen)) = frozen else {
             self.debug(|| format!("freeze {step} failed"));
             return;
         };
@@ -163,7 +168,7 @@ impl State {
         );
         // A new attempt replaces any other.
         self.end_round(false);
-        let layout = Layout::new(frozen.sum.len(), members.len(), PART_CHUNK);
+        let layout = Layout::new(frozen.sum.len(), members.len(), frozen.sum.chunk());
         self.round = Some(Round {
             step,
             attempt,
@@ -182,12 +187,12 @@ impl State {
             .collect();
         if to.is_empty() {
             // A round of one: its own sum is the average.
-            for c in 0..layout.chunks(index) {
-                let Some(range) = layout.range(index, c) else {
+            for c in layout.chunks(index) {
+                let Ok(own) = frozen.sum.decode(c) else {
                     continue;
                 };
                 let taken = match &mut self.tally {
-                    Some(t) => t.reduce_alone(c, (&frozen.sum[range], frozen.count)),
+                    Some(t) => t.reduce_alone(c, (&own, frozen.count)),
                     None => continue,
                 };
                 self.on_taken(taken);

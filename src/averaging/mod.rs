@@ -20,14 +20,17 @@
 //!    when the samples accumulated for the step reach `target_batch_size` and sends
 //!    `Members` (the sorted member list, and samples lost with replicas that died).
 //! 3. Each member freezes the sum it accumulated for the step (one running sum per stage,
-//!    not one copy per microbatch: memory does not grow with the microbatches of a step),
-//!    cuts it into one part per member and sends part i to member i in chunks of
-//!    [`round::PART_CHUNK`] values (`Part`, in the run's gradient codec, encoded just before
-//!    each chunk goes out). Later backward passes count toward the next step, so a gradient
+//!    not one copy per microbatch: memory does not grow with the microbatches of a step)
+//!    and encodes it in the run's gradient codec, in chunks whose size depends on the
+//!    gradient's length only ([`round::chunk_for`], at most [`round::PART_CHUNK`] values);
+//!    the f32 sum is freed. The chunks are cut into one contiguous part per member
+//!    ([`round::Layout`]) and member i is sent the chunks of part i (`Part`). A retried
+//!    attempt sends the same frames. Later backward passes count toward the next step, so a gradient
 //!    is at most one step stale; a step holds at least the target batch, and more when
 //!    microbatches arrive while the round forms (averaging weighs every sample the same).
 //! 4. Member i sums each chunk of its part as soon as every member's copy of it arrived,
-//!    divides by the total sample count, encodes the result in the gradient codec — what
+//!    (this member's own copy decoded from its frames, so every contribution went through
+//!    the codec the same way), divides by the total sample count, encodes the result — what
 //!    every member will apply, itself included — and sends it to all (`Reduced`). No member
 //!    holds another's whole part; the reduced chunks are kept encoded.
 //! 5. With every reduced chunk, a member applies the optimizer step, decoding the chunks
@@ -266,7 +269,6 @@ impl Averager {
         tokio::spawn(send::bulk_sender(
             client.clone(),
             service.stage(),
-            cfg.codec,
             bulk_rx,
             abandoned.clone(),
             Arc::clone(&stats),

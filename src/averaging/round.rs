@@ -18,8 +18,22 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Floats per chunk of a part.
+/// Floats per chunk, at most.
 pub const PART_CHUNK: usize = 256 << 10;
+
+/// A gradient is cut into at least this many chunks when it is large enough, so even a
+/// small stage's reduction is spread over up to this many members.
+const MIN_CHUNKS: usize = 16;
+
+/// Floats per chunk, at least (but for a gradient smaller than that).
+const MIN_CHUNK: usize = 1024;
+
+/// Floats per chunk for a gradient of `n` floats. Depends on `n` only, so every attempt
+/// of a round, whatever its members, cuts the gradient the same way: a replica encodes
+/// its sum once, when it freezes it, and every attempt sends those frames.
+pub fn chunk_for(n: usize) -> usize {
+    n.div_ceil(MIN_CHUNKS).clamp(MIN_CHUNK, PART_CHUNK)
+}
 
 /// Reduced chunks, encoded, each with its range in the flat gradient.
 pub type ReducedChunks = Vec<(Range<usize>, Arc<Vec<u8>>)>;
@@ -53,21 +67,27 @@ impl Round {
     }
 }
 
-/// How a gradient of `n` floats is cut for a round of `k` members: part `i` (reduced by
-/// member `i`) is [`reduce::partition`]'s `i`-th range, moved in chunks of `chunk` floats
-/// (at least one chunk per part, empty if the part is).
+/// How a gradient of `n` floats is cut for a round of `k` members: into chunks of
+/// `chunk` floats (the last one shorter; one empty chunk when `n` is 0), numbered from 0
+/// over the whole gradient, and the chunks into `k` contiguous parts
+/// ([`reduce::partition`] of the chunk count): member `i` reduces the chunks of part `i`.
+/// A part may have no chunks (more members than chunks).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
-    parts: Vec<Range<usize>>,
+    n: usize,
     chunk: usize,
+    parts: Vec<Range<usize>>,
 }
 
 impl Layout {
     /// The layout every member of a `k`-member round computes for `n` floats.
     pub fn new(n: usize, k: usize, chunk: usize) -> Self {
+        let chunk = chunk.max(1);
+        let count = n.div_ceil(chunk).max(1);
         Self {
-            parts: reduce::partition(n, k),
-            chunk: chunk.max(1),
+            n,
+            chunk,
+            parts: reduce::partition(count, k),
         }
     }
 
@@ -76,26 +96,31 @@ impl Layout {
         self.parts.len()
     }
 
-    /// The range of part `part` in the flat gradient.
-    pub fn part(&self, part: usize) -> Option<Range<usize>> {
-        self.parts.get(part).cloned()
+    /// Chunks of the whole gradient.
+    pub fn count(&self) -> u32 {
+        u32::try_from(self.parts.last().map_or(0, |p| p.end)).unwrap_or(u32::MAX)
     }
 
-    /// Chunks of part `part` (0 for a part that does not exist).
-    pub fn chunks(&self, part: usize) -> u32 {
-        self.parts.get(part).map_or(0, |r| {
-            u32::try_from(r.len().div_ceil(self.chunk).max(1)).unwrap_or(u32::MAX)
+    /// The chunks of part `part` (none for a part that does not exist).
+    pub fn chunks(&self, part: usize) -> Range<u32> {
+        self.parts.get(part).map_or(0..0, |r| {
+            let lo = u32::try_from(r.start).unwrap_or(u32::MAX);
+            lo..u32::try_from(r.end).unwrap_or(u32::MAX)
         })
     }
 
-    /// The range of chunk `c` of part `part` in the flat gradient.
-    pub fn range(&self, part: usize, c: u32) -> Option<Range<usize>> {
-        let p = self.parts.get(part)?;
-        if c >= self.chunks(part) {
+    /// The part chunk `c` belongs to.
+    pub fn owner(&self, c: u32) -> Option<usize> {
+        self.parts.iter().position(|r| r.contains(&(c as usize)))
+    }
+
+    /// The range of chunk `c` in the flat gradient.
+    pub fn range(&self, c: u32) -> Option<Range<usize>> {
+        if c >= self.count() {
             return None;
         }
-        let start = p.start + c as usize * self.chunk;
-        Some(start..(start + self.chunk).min(p.end))
+        let start = (c as usize * self.chunk).min(self.n);
+        Some(start..(start + self.chunk).min(self.n))
     }
 }
 
@@ -132,10 +157,10 @@ pub struct Tally {
     layout: Layout,
     index: usize,
     partial: HashMap<u32, Partial>,
-    /// Chunks of this replica's part already reduced.
+    /// Chunks of this replica's part already reduced, from its first chunk.
     done: Vec<bool>,
-    /// Reduced chunks, encoded, by part and chunk.
-    reduced: Vec<Vec<Option<Arc<Vec<u8>>>>>,
+    /// Reduced chunks, encoded, by chunk.
+    reduced: Vec<Option<Arc<Vec<u8>>>>,
     missing: usize,
     total: Option<u64>,
 }
@@ -143,18 +168,15 @@ pub struct Tally {
 impl Tally {
     /// Nothing received yet for round `key`, where this replica is member `index`.
     pub fn new(key: Key, layout: Layout, index: usize) -> Self {
-        let reduced: Vec<Vec<Option<Arc<Vec<u8>>>>> = (0..layout.members())
-            .map(|p| vec![None; layout.chunks(p) as usize])
-            .collect();
-        let missing = reduced.iter().map(Vec::len).sum();
+        let reduced = vec![None; layout.count() as usize];
         Self {
             key,
-            done: vec![false; layout.chunks(index) as usize],
+            done: vec![false; layout.chunks(index).len()],
+            missing: reduced.len(),
+            reduced,
             layout,
             index,
             partial: HashMap::new(),
-            reduced,
-            missing,
             total: None,
         }
     }
@@ -169,7 +191,20 @@ impl Tally {
         &self.layout
     }
 
-    /// Member `from`'s sum for chunk `c` of this replica's part, over `count` samples;
+    /// Whether chunk `c` is one of this replica's part's, not reduced yet.
+    fn open(&self, c: u32) -> bool {
+        let mine = self.layout.chunks(self.index);
+        mine.contains(&c) && !self.done[(c - mine.start) as usize]
+    }
+
+    fn close(&mut self, c: u32) {
+        let first = self.layout.chunks(self.index).start;
+        if let Some(d) = self.done.get_mut(c.wrapping_sub(first) as usize) {
+            *d = true;
+        }
+    }
+
+    /// Member `from`'s sum for chunk `c` (of this replica's part), over `count` samples;
     /// `own` is this replica's sum of the same chunk and its samples.
     pub fn add_part(
         &mut self,
@@ -180,16 +215,19 @@ impl Tally {
         own: (&[f32], u64),
     ) -> Taken {
         let k = self.layout.members();
-        let Some(range) = self.layout.range(self.index, c) else {
+        let Some(range) = self.layout.range(c) else {
             return Taken::Refused("no such chunk");
         };
         if from >= k || from == self.index {
             return Taken::Refused("not a member's part");
         }
+        if !self.layout.chunks(self.index).contains(&c) {
+            return Taken::Refused("a chunk of another part");
+        }
         if values.len() != range.len() || own.0.len() != range.len() {
             return Taken::Refused("a chunk of the wrong length");
         }
-        if self.done.get(c as usize).copied().unwrap_or(true) {
+        if !self.open(c) {
             return Taken::Refused("chunk already reduced");
         }
         let p = self.partial.entry(c).or_insert_with(|| Partial {
@@ -211,7 +249,7 @@ impl Tally {
         let Some(p) = self.partial.remove(&c) else {
             return Taken::Waiting;
         };
-        self.done[c as usize] = true;
+        self.close(c);
         Taken::Reduced {
             chunk: c,
             avg: reduce::average(&p.sum, p.count),
@@ -221,10 +259,10 @@ impl Tally {
 
     /// Chunk `c` of this replica's part when it is the only member.
     pub fn reduce_alone(&mut self, c: u32, own: (&[f32], u64)) -> Taken {
-        if self.layout.members() != 1 || self.done.get(c as usize).copied().unwrap_or(true) {
+        if self.layout.members() != 1 || !self.open(c) {
             return Taken::Refused("not a round of one");
         }
-        self.done[c as usize] = true;
+        self.close(c);
         let sum: Vec<f64> = own.0.iter().map(|&x| f64::from(x)).collect();
         Taken::Reduced {
             chunk: c,
@@ -233,23 +271,23 @@ impl Tally {
         }
     }
 
-    /// Chunk `c` of the averaged part `part`, encoded, over `total` samples. Returns
-    /// whether it was taken (a duplicate, an unknown chunk, a frame that does not declare
-    /// the chunk's length or a total that disagrees with earlier ones is not).
+    /// Chunk `c` of the average, reduced by member `part`, encoded, over `total` samples.
+    /// Returns whether it was taken (a duplicate, an unknown chunk, a chunk of another
+    /// member's part, a frame that does not declare the chunk's length or a total that
+    /// disagrees with earlier ones is not).
     pub fn add_reduced(&mut self, part: usize, c: u32, frame: Arc<Vec<u8>>, total: u64) -> bool {
-        let Some(range) = self.layout.range(part, c) else {
+        let Some(range) = self.layout.range(c) else {
             return false;
         };
+        if self.layout.owner(c) != Some(part) {
+            return false;
+        }
         let fits = wire::header::parse_header(&frame, &Limits::default())
             .is_ok_and(|(h, _)| h.elements() == range.len() && h.frame_len() == frame.len() as u64);
         if !fits || self.total.is_some_and(|t| t != total) {
             return false;
         }
-        let Some(slot) = self
-            .reduced
-            .get_mut(part)
-            .and_then(|p| p.get_mut(c as usize))
-        else {
+        let Some(slot) = self.reduced.get_mut(c as usize) else {
             return false;
         };
         if slot.is_some() {
@@ -277,11 +315,9 @@ impl Tally {
             return None;
         }
         let mut out = Vec::new();
-        for (part, chunks) in self.reduced.iter_mut().enumerate() {
-            for (c, slot) in chunks.iter_mut().enumerate() {
-                let range = self.layout.range(part, c as u32)?;
-                out.push((range, slot.take()?));
-            }
+        for (c, slot) in self.reduced.iter_mut().enumerate() {
+            let range = self.layout.range(c as u32)?;
+            out.push((range, slot.take()?));
         }
         self.missing = out.len();
         Some((out, self.total.unwrap_or(0)))
@@ -378,60 +414,79 @@ mod tests {
     }
 
     #[test]
-    fn a_layout_cuts_parts_into_chunks_that_cover_everything_once() {
+    fn a_layout_cuts_the_gradient_into_chunks_and_the_chunks_into_parts() {
         let l = Layout::new(25, 3, 4);
-        // Parts of 9, 8, 8 floats: chunks of 4, 4, 1 | 4, 4 | 4, 4.
-        assert_eq!((l.chunks(0), l.chunks(1), l.chunks(2)), (3, 2, 2));
-        assert_eq!(l.range(0, 2), Some(8..9));
-        assert_eq!(l.range(1, 0), Some(9..13));
-        assert_eq!(l.range(1, 2), None);
-        assert_eq!(l.range(3, 0), None);
+        // Seven chunks (six of 4 floats, one of 1), parts of 3, 2 and 2 chunks.
+        assert_eq!(l.count(), 7);
+        assert_eq!((l.chunks(0), l.chunks(1), l.chunks(2)), (0..3, 3..5, 5..7));
+        assert_eq!(l.range(2), Some(8..12));
+        assert_eq!(l.range(6), Some(24..25));
+        assert_eq!(l.range(7), None);
+        assert_eq!((l.owner(4), l.owner(7)), (Some(1), None));
+        assert_eq!(l.chunks(3), 0..0);
         let mut seen = [0; 25];
         for p in 0..3 {
-            for c in 0..l.chunks(p) {
-                for i in l.range(p, c).unwrap() {
+            for c in l.chunks(p) {
+                for i in l.range(c).unwrap() {
                     seen[i] += 1;
                 }
             }
         }
         assert!(seen.iter().all(|&s| s == 1));
-        // An empty part still has one (empty) chunk, so its reducer still sends something.
+        // Chunks do not depend on the members: a retry with other members sends the same
+        // frames.
+        let two = Layout::new(25, 2, 4);
+        assert!((0..7).all(|c| two.range(c) == l.range(c)));
+        // More members than chunks: some parts have none.
         let tiny = Layout::new(1, 2, 4);
-        assert_eq!((tiny.chunks(1), tiny.range(1, 0)), (1, Some(1..1)));
+        assert_eq!((tiny.chunks(0), tiny.chunks(1)), (0..1, 1..1));
+        assert_eq!(Layout::new(0, 2, 4).range(0), Some(0..0));
+    }
+
+    #[test]
+    fn chunks_are_sized_by_the_gradient_alone() {
+        assert_eq!(chunk_for(0), MIN_CHUNK);
+        assert_eq!(chunk_for(5_000), MIN_CHUNK);
+        assert_eq!(chunk_for(200_000), 12_500);
+        assert_eq!(chunk_for(1 << 30), PART_CHUNK);
     }
 
     #[test]
     fn a_chunk_is_reduced_when_every_member_sent_it_and_not_twice() {
-        // Three members, this replica is member 1: part 1 is 3..6 of 9, one chunk.
-        let l = Layout::new(9, 3, 4);
+        // Three members, this replica is member 1: its part is chunk 1, values 3..6.
+        let l = Layout::new(9, 3, 3);
         let mut t = Tally::new((4, 9), l, 1);
         let own = [3.0f32, 3.0, 3.0];
         assert_eq!(
-            t.add_part(0, 0, 2, &[1.0, 2.0, 3.0], (&own, 1)),
+            t.add_part(0, 1, 2, &[1.0, 2.0, 3.0], (&own, 1)),
             Taken::Waiting
         );
         assert!(matches!(
-            t.add_part(0, 0, 2, &[1.0, 2.0, 3.0], (&own, 1)),
+            t.add_part(0, 1, 2, &[1.0, 2.0, 3.0], (&own, 1)),
             Taken::Refused(_)
         ));
         assert!(matches!(
-            t.add_part(2, 0, 1, &[1.0], (&own, 1)),
+            t.add_part(2, 1, 1, &[1.0], (&own, 1)),
             Taken::Refused(_)
         ));
         assert!(matches!(
-            t.add_part(1, 0, 1, &[1.0; 3], (&own, 1)),
+            t.add_part(2, 0, 1, &[1.0; 3], (&own, 1)),
+            Taken::Refused("a chunk of another part")
+        ));
+        assert!(matches!(
+            t.add_part(1, 1, 1, &[1.0; 3], (&own, 1)),
             Taken::Refused(_)
         ));
         assert_eq!(
-            t.add_part(2, 0, 1, &[4.0, 3.0, 2.0], (&own, 1)),
+            t.add_part(2, 1, 1, &[4.0, 3.0, 2.0], (&own, 1)),
             Taken::Reduced {
-                chunk: 0,
+                chunk: 1,
                 avg: vec![2.0, 2.0, 2.0],
                 total: 4
             }
         );
         assert!(matches!(
-            t.add_part(2, 0, 1, &[4.0, 3.0, 2.0], (&own, 1)),
+            t.add_part(2, 1, 1, &[4.0, 3.0, 2.0], (&own, 1)),
             Taken::Refused(_)
         ));
         assert_eq!(t.counts(), (0, 3));
@@ -439,18 +494,19 @@ mod tests {
 
     #[test]
     fn the_gradient_is_assembled_once_every_reduced_chunk_is_in() {
+        // Chunks 0..2, 2..4, 4..5; part 0 has chunks 0 and 1, part 1 chunk 2.
         let l = Layout::new(5, 2, 2);
-        // Parts 0..3 (chunks 0..2, 2..3) and 3..5 (one chunk).
         let mut t = Tally::new((1, 1), l, 0);
-        assert!(t.add_reduced(1, 0, frame(&[4.0, 5.0]), 6));
-        assert!(!t.add_reduced(1, 0, frame(&[4.0, 5.0]), 6), "duplicate");
+        assert!(t.add_reduced(1, 2, frame(&[5.0]), 6));
+        assert!(!t.add_reduced(1, 2, frame(&[5.0]), 6), "duplicate");
         assert!(!t.add_reduced(0, 0, frame(&[1.0]), 6), "wrong length");
         assert!(!t.add_reduced(0, 0, frame(&[1.0, 2.0]), 7), "other total");
         assert!(!t.add_reduced(0, 5, frame(&[1.0, 2.0]), 6), "no such chunk");
+        assert!(!t.add_reduced(1, 0, frame(&[1.0, 2.0]), 6), "not its part");
         assert!(t.add_reduced(0, 0, frame(&[1.0, 2.0]), 6));
         assert!(!t.complete());
         assert!(t.take_reduced().is_none());
-        assert!(t.add_reduced(0, 1, frame(&[3.0]), 6));
+        assert!(t.add_reduced(0, 1, frame(&[3.0, 4.0]), 6));
         let (chunks, total) = t.take_reduced().unwrap();
         assert_eq!(total, 6);
         assert!(Frames::new(chunks[1..].to_vec(), 5).is_err(), "a gap");

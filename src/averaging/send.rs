@@ -1,13 +1,15 @@
 //! The averager's outgoing side: control messages (progress, members, leave) on one
 //! sender, a round's bulk data (parts chunk by chunk, reduced chunks) on another, so a
-//! heartbeat never waits behind megabytes of parts. The bulk sender encodes each part chunk
-//! just before it goes out, skips the jobs of abandoned attempts, and measures the uplink.
+//! heartbeat never waits behind megabytes of parts. The bulk sender sends the frozen sum's
+//! chunks (encoded when it was frozen), skips the jobs of abandoned attempts, and measures
+//! the uplink.
 
 use super::round::{Key, Layout};
 use super::AvgStats;
 use crate::stage::client::StageClient;
+use crate::stage::frozen::EncodedSum;
 use crate::wire::msg::{AvgMsg, ErrorKind};
-use crate::wire::{self, CodecSpec, Limits};
+use crate::wire::{self, Limits};
 use futures::StreamExt;
 use libp2p::PeerId;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,12 +37,12 @@ pub(super) struct Outgoing {
 
 /// Bulk data of a round.
 pub(super) enum Bulk {
-    /// This replica's sum, cut into the members' parts and sent chunk by chunk, encoded
-    /// just before each chunk is sent (so the encoded parts are never all in memory).
+    /// This replica's sum, encoded by chunk, each chunk sent to the member whose part
+    /// holds it.
     Parts {
         key: Key,
         count: u64,
-        sum: Arc<Vec<f32>>,
+        sum: Arc<EncodedSum>,
         layout: Layout,
         /// (member index, peer) of every other member.
         to: Vec<(usize, PeerId)>,
@@ -54,21 +56,12 @@ pub(super) enum Bulk {
     },
 }
 
-/// What a bulk job sends.
-enum Payload {
-    Frame(Arc<Vec<u8>>),
-    Encode {
-        sum: Arc<Vec<f32>>,
-        range: std::ops::Range<usize>,
-    },
-}
-
 /// One call of a bulk job.
 struct Job {
     key: Key,
     peer: PeerId,
     msg: AvgMsg,
-    payload: Payload,
+    frame: Arc<Vec<u8>>,
 }
 
 impl Bulk {
@@ -82,11 +75,14 @@ impl Bulk {
                 layout,
                 to,
             } => {
-                let most = to.iter().map(|(i, _)| layout.chunks(*i)).max().unwrap_or(0);
+                let most = to.iter().map(|(i, _)| layout.chunks(*i).len()).max();
                 let mut out = Vec::new();
-                for c in 0..most {
+                for j in 0..most.unwrap_or(0) {
                     for &(i, peer) in &to {
-                        if let Some(range) = layout.range(i, c) {
+                        let Some(c) = layout.chunks(i).nth(j) else {
+                            continue;
+                        };
+                        if let Some(frame) = sum.frame(c) {
                             out.push(Job {
                                 key,
                                 peer,
@@ -96,10 +92,7 @@ impl Bulk {
                                     count,
                                     chunk: c,
                                 },
-                                payload: Payload::Encode {
-                                    sum: Arc::clone(&sum),
-                                    range,
-                                },
+                                frame: Arc::clone(frame),
                             });
                         }
                     }
@@ -117,7 +110,7 @@ impl Bulk {
                     key,
                     peer,
                     msg: msg.clone(),
-                    payload: Payload::Frame(Arc::clone(&frame)),
+                    frame: Arc::clone(&frame),
                 })
                 .collect(),
         }
@@ -250,7 +243,6 @@ impl Abandoned {
 pub(super) async fn bulk_sender(
     client: StageClient,
     stage: usize,
-    codec: CodecSpec,
     rx: mpsc::Receiver<Bulk>,
     abandoned: Abandoned,
     stats: Arc<AvgStats>,
@@ -266,17 +258,7 @@ pub(super) async fn bulk_sender(
                 if !is_live(job.key) {
                     return;
                 }
-                let frame = match job.payload {
-                    Payload::Frame(f) => f,
-                    Payload::Encode { sum, range } => {
-                        let mut f = Vec::new();
-                        let part = &sum[range];
-                        if wire::encode_f32(&[part.len()], part, &codec, &mut f).is_err() {
-                            return;
-                        }
-                        Arc::new(f)
-                    }
-                };
+                let frame = job.frame;
                 let floats = wire::header::parse_header(&frame, &Limits::default())
                     .map_or(0, |(h, _)| h.elements());
                 if let Ok(mut m) = meter.lock() {

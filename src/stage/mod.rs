@@ -15,6 +15,7 @@
 //! averaging layers).
 
 pub mod client;
+pub mod frozen;
 pub mod probe;
 pub mod registry;
 pub mod replica;

@@ -8,11 +8,14 @@
 //! `params_step` until the averager freezes that step's sum for its round; from then on
 //! they accumulate toward `params_step + 1` (a gradient is at most one step stale).
 
+use super::frozen::EncodedSum;
+pub use super::frozen::Frozen;
 use super::sim::SimCompute;
 use crate::config::RunConfig;
 use crate::model::optim::FlatSource;
 use crate::model::stage::Kept;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
+use crate::wire::CodecSpec;
 use candle_core::Tensor;
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -26,18 +29,6 @@ const RELEASE_NUMEL: usize = 1 << 24;
 
 /// Microbatch ids remembered for at-most-once accumulation.
 const SEEN_CAP: usize = 1 << 16;
-
-/// The sum of a step's gradients, frozen for its averaging round.
-#[derive(Debug, Clone)]
-pub struct Frozen {
-    /// The step the sum belongs to.
-    pub step: u64,
-    /// Σ over microbatches of (samples × mean gradient), flattened in parameter order
-    /// (shared: a retried round reuses it without a copy).
-    pub sum: Arc<Vec<f32>>,
-    /// Samples in the sum.
-    pub count: u64,
-}
 
 /// Parameters and optimizer state as flat vectors, for state transfer.
 #[derive(Debug, Clone, PartialEq)]
@@ -290,10 +281,16 @@ impl Replica {
 
     /// Freezes the gradients of step `step` (the current `params_step`) and returns their
     /// sum: everything accumulated so far; later backward passes count toward the next
-    /// step. Repeated calls for the same step return the same sum (for retried rounds).
-    pub fn freeze(&mut self, step: u64) -> Result<Frozen, ModelError> {
+    /// step. The sum is encoded in chunks of `chunk` values with `codec` and the f32 copy
+    /// freed. Repeated calls for the same step return the same sum (for retried rounds).
+    pub fn freeze(
+        &mut self,
+        step: u64,
+        chunk: usize,
+        codec: &CodecSpec,
+    ) -> Result<Frozen, ModelError> {
         let numel = self.numel;
-        self.acc().freeze(step, numel)
+        self.acc().freeze(step, numel, chunk, codec)
     }
 
     /// Applies the averaged gradient of step `step`, which held `samples` samples; `lost`
@@ -526,7 +523,13 @@ impl Accum {
     }
 
     /// See [`Replica::freeze`].
-    pub fn freeze(&mut self, step: u64, numel: usize) -> Result<Frozen, ModelError> {
+    pub fn freeze(
+        &mut self,
+        step: u64,
+        numel: usize,
+        chunk: usize,
+        codec: &CodecSpec,
+    ) -> Result<Frozen, ModelError> {
         if step != self.params_step {
             return Err(ModelError::BadInput(format!(
                 "cannot freeze step {step} at step {}",
@@ -539,6 +542,15 @@ impl Accum {
             }
         }
         let sum = self.sum.take().unwrap_or_else(|| vec![0.0; numel]);
+        let encoded = EncodedSum::encode(&sum, chunk, codec);
+        let sum = match encoded {
+            Ok(e) => e,
+            Err(e) => {
+                // Nothing frozen: the sum stays for a later attempt.
+                self.sum = Some(sum);
+                return Err(e);
+            }
+        };
         let f = Frozen {
             step,
             sum: Arc::new(sum),

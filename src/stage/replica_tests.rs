@@ -49,16 +49,22 @@ fn a_step_sums_each_microbatch_once_into_one_buffer() -> TestResult {
     let (_, fresh) = r.backward(&x1, Upstream::Targets(&y1), 1)?;
     assert!(!fresh);
     assert_eq!(r.accum_count(), 6);
-    let f = r.freeze(0)?;
+    // Frozen in f32 chunks of 1000 values: exact, and cut where asked.
+    let f = r.freeze(0, 1000, &CodecSpec::F32)?;
     assert_eq!((f.step, f.count), (0, 6));
     let (a, b) = (flatten(&g1.grads)?, flatten(&g2.grads)?);
-    assert_eq!(f.sum.len(), a.len());
+    assert_eq!((f.sum.len(), f.sum.chunk()), (a.len(), 1000));
+    let mut sum = Vec::new();
+    for c in 0..a.len().div_ceil(1000) {
+        sum.extend(f.sum.decode(c as u32)?);
+    }
+    assert_eq!(sum.len(), a.len());
     for i in 0..a.len() {
         let want = 4.0 * a[i] + 2.0 * b[i];
         assert!(
-            (f.sum[i] - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            (sum[i] - want).abs() <= 1e-5 * (1.0 + want.abs()),
             "{i}: {} vs {want}",
-            f.sum[i]
+            sum[i]
         );
     }
     // Later microbatches count toward the next step; a retried round gets the same sum.
@@ -68,10 +74,10 @@ fn a_step_sums_each_microbatch_once_into_one_buffer() -> TestResult {
         (r.accum_step(), r.accum_count(), r.frozen_count()),
         (1, 3, 6)
     );
-    let again = r.freeze(0)?;
+    let again = r.freeze(0, 1000, &CodecSpec::F32)?;
     assert!(Arc::ptr_eq(&again.sum, &f.sum));
     assert!(
-        r.freeze(1).is_err(),
+        r.freeze(1, 1000, &CodecSpec::F32).is_err(),
         "step 1 cannot freeze before step 0 applies"
     );
     Ok(())

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 pub const MAX_HEADER: usize = 64 << 10;
 
 /// The version of this message format.
-pub const MSG_VERSION: u8 = 3;
+pub const MSG_VERSION: u8 = 4;
 
 /// Most tensor frames one message may carry.
 pub const MAX_TENSORS: u8 = 8;
@@ -105,7 +105,7 @@ pub enum AvgMsg {
         attempt: u32,
         /// Samples behind the sender's sum.
         count: u64,
-        /// Which chunk of the part.
+        /// Which chunk of the gradient (numbered over the whole gradient; see `round::Layout`).
         chunk: u32,
     },
     /// Chunk `chunk` of the averaged part `index`, one frame, exactly as every member
@@ -119,7 +119,7 @@ pub enum AvgMsg {
         index: u32,
         /// Samples in the step.
         total: u64,
-        /// Which chunk of the part.
+        /// Which chunk of the gradient.
         chunk: u32,
     },
 }

@@ -28,7 +28,7 @@ use crate::dht::Manifest;
 use crate::model::ModelError;
 use crate::net::{NetError, NetHandle};
 use crate::wire::msg::{ErrorKind, Request, Response, StateInfo};
-use crate::wire::Limits;
+use crate::wire::{CodecSpec, Limits};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use libp2p::PeerId;
@@ -286,10 +286,10 @@ impl StageService {
         lock(&self.shared.status).clone()
     }
 
-    /// Freezes step `step`'s gradients (all accumulated so far) without waiting for
-    /// compute.
-    pub fn freeze(&self, step: u64) -> Result<Frozen, ModelError> {
-        let f = lock(&self.shared.accum).freeze(step, self.shared.numel)?;
+    /// Freezes step `step`'s gradients (all accumulated so far), encoded in chunks of
+    /// `chunk` values with `codec`, without waiting for compute.
+    pub fn freeze(&self, step: u64, chunk: usize, codec: &CodecSpec) -> Result<Frozen, ModelError> {
+        let f = lock(&self.shared.accum).freeze(step, self.shared.numel, chunk, codec)?;
         let (accum_step, count, frozen) = lock(&self.shared.accum).counts();
         let mut st = lock(&self.shared.status);
         st.accum_step = accum_step;
