@@ -170,7 +170,8 @@ pub fn run_setup(
     in_scratch(setup, |dir| run_in(setup, opts, dir, out))
 }
 
-/// Runs `f` in a fresh scratch folder for `setup`, removed afterwards.
+/// Runs `f` in a fresh scratch folder for `setup`, removed afterwards (kept, with the
+/// processes' logs, when `SHOAL_BENCH_KEEP` is set).
 pub(super) fn in_scratch<T>(
     setup: &Setup,
     f: impl FnOnce(&Path) -> Result<T, HarnessError>,
@@ -182,7 +183,11 @@ pub(super) fn in_scratch<T>(
     ));
     std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
     let r = f(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
+    if std::env::var_os("SHOAL_BENCH_KEEP").is_some() {
+        eprintln!("scratch folder kept: {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     r
 }
 
