@@ -6,6 +6,7 @@
 mod args;
 mod bench_cmds;
 mod client_cmds;
+mod data_cmds;
 mod harness;
 mod peer_cmd;
 
@@ -54,6 +55,16 @@ enum Command {
         #[command(subcommand)]
         which: args::SwarmCommand,
     },
+    /// Tokenizers: `tokenizer train --data FILE... --vocab N --out tokenizer.json`.
+    Tokenizer {
+        #[command(subcommand)]
+        which: data_cmds::TokenizerCommand,
+    },
+    /// Training data: `data prepare --tokenizer T --data FILE... --out DIR`.
+    Data {
+        #[command(subcommand)]
+        which: data_cmds::DataCommand,
+    },
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -74,8 +85,9 @@ struct TrainArgs {
     swarm: args::SwarmTrainArgs,
     #[command(flatten)]
     common: CommonArgs,
-    /// Train on this data instead of the config's: a UTF-8 text file (byte tokens), or a
-    /// `.bin` shard / folder of shards of little-endian u16 tokens.
+    /// Train on this data instead of the config's: a folder from `shoal data prepare`, a
+    /// UTF-8 text file (byte tokens), or a `.bin` shard / folder of shards of
+    /// little-endian u16 tokens.
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
 }
@@ -213,6 +225,24 @@ fn apply_common(cfg: &mut RunConfig, c: &CommonArgs) -> Result<LocalOptions> {
 fn data_override(cfg: &mut RunConfig, path: &Path) -> Result<()> {
     if !path.exists() {
         bail!("data path {} does not exist", path.display());
+    }
+    if path.join("meta.json").is_file() {
+        let meta = shoal::data::prepare::read_meta(path)?;
+        if meta.vocab > cfg.model.vocab {
+            bail!(
+                "data {} was tokenized with a vocab of {}; the config's model.vocab is {}: \
+                 use a config with model.vocab ≥ {} or a smaller tokenizer",
+                path.display(),
+                meta.vocab,
+                cfg.model.vocab,
+                meta.vocab
+            );
+        }
+        cfg.data = DataConfig::Prepared {
+            path: path.to_path_buf(),
+            tokenizer: Some(meta.tokenizer),
+        };
+        return Ok(());
     }
     let shards = path.is_dir() || path.extension().is_some_and(|e| e == "bin");
     cfg.data = if shards {
@@ -362,6 +392,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             which: args::RunCommand::New { config, out },
         } => client_cmds::run_new(config, out),
         Command::Peer(a) => peer_cmd::peer(a),
+        Command::Tokenizer { which } => data_cmds::tokenizer(which),
+        Command::Data { which } => data_cmds::data(which),
         Command::Status(a) => client_cmds::status(a),
         Command::Probe(a) => client_cmds::probe(a),
         Command::Swarm {

@@ -177,6 +177,7 @@ pub fn evaluate(
     n: usize,
 ) -> Result<f64, TrainError> {
     let mut sampler = Sampler::eval(cfg.training.data_seed);
+    let source = source.eval_source();
     let mut wire = Boundary::new(cfg.codecs.activations);
     let device = stages[0].device().clone();
     let mut total = 0.0;

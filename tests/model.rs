@@ -7,7 +7,7 @@
 )]
 
 use candle_core::{DType, Device, Tensor};
-use shoal::config::RunConfig;
+use shoal::config::{Family, RunConfig};
 use shoal::model::optim::global_norm;
 use shoal::model::{checkpoint, AdamW, Stage, Upstream};
 use std::collections::HashMap;
@@ -19,6 +19,15 @@ fn with_stages(mut cfg: RunConfig, s: usize) -> RunConfig {
     cfg.stages.cuts.clear();
     cfg.validate().expect("valid");
     cfg
+}
+
+/// The tiny config in both families (Llama with grouped-query attention: 4 heads, 2 kv).
+fn families() -> Vec<(&'static str, RunConfig)> {
+    let mut llama = RunConfig::tiny();
+    llama.model.family = Family::Llama;
+    llama.model.n_kv_heads = Some(2);
+    llama.validate().expect("valid");
+    vec![("gpt", RunConfig::tiny()), ("llama", llama)]
 }
 
 fn tokens(cfg: &RunConfig, b: usize, seed: u64, dev: &Device) -> (Tensor, Tensor) {
@@ -74,7 +83,13 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn split_logits_equal_unsplit() -> R {
-    let base = RunConfig::tiny();
+    for (family, base) in families() {
+        split_logits_equal_unsplit_for(family, base)?;
+    }
+    Ok(())
+}
+
+fn split_logits_equal_unsplit_for(family: &str, base: RunConfig) -> R {
     let dev = Device::Cpu;
     let (x, _) = tokens(&base, 3, 1, &dev);
     let full = Stage::new(&with_stages(base.clone(), 1), 0, &dev)?;
@@ -91,14 +106,20 @@ fn split_logits_equal_unsplit() -> R {
             .flatten_all()?
             .max(0)?
             .to_scalar::<f32>()?;
-        assert!(diff <= 1e-5, "S={s}: max abs diff {diff}");
+        assert!(diff <= 1e-5, "{family} S={s}: max abs diff {diff}");
     }
     Ok(())
 }
 
 #[test]
 fn staged_gradients_equal_unsplit_autograd() -> R {
-    let base = RunConfig::tiny();
+    for (family, base) in families() {
+        staged_gradients_equal_unsplit_autograd_for(family, base)?;
+    }
+    Ok(())
+}
+
+fn staged_gradients_equal_unsplit_autograd_for(family: &str, base: RunConfig) -> R {
     let dev = Device::Cpu;
     let (x, y) = tokens(&base, 2, 2, &dev);
     // The unsplit model's own autograd: one graph from tokens to loss.
@@ -114,10 +135,14 @@ fn staged_gradients_equal_unsplit_autograd() -> R {
     for s in [1, 2, 4] {
         let stages = build(&with_stages(base.clone(), s), DType::F32);
         let (_, grads) = staged_grads(&stages, &x, &y);
-        assert_eq!(grads.len(), reference.len(), "S={s}: parameter sets differ");
+        assert_eq!(
+            grads.len(),
+            reference.len(),
+            "{family} S={s}: parameter sets differ"
+        );
         for (name, want) in &reference {
             let e = rel_err(want, &grads[name]);
-            assert!(e <= 1e-4, "S={s} {name}: relative error {e}");
+            assert!(e <= 1e-4, "{family} S={s} {name}: relative error {e}");
         }
     }
     Ok(())
@@ -136,15 +161,6 @@ fn finite_differences_match_staged_backward() -> R {
         [stages]
         count = 2
     "#;
-    let cfg = RunConfig::from_toml(text, "micro")?;
-    let dev = Device::Cpu;
-    let stages = build(&cfg, DType::F64);
-    let (x, y) = tokens(&cfg, 2, 9, &dev);
-    let (_, grads) = staged_grads(&stages, &x, &y);
-    let loss_now = |stages: &[Stage]| -> f64 {
-        let h = stages[0].forward(&x).unwrap();
-        stages[1].loss(&h, &y).unwrap().to_scalar::<f64>().unwrap()
-    };
     let probes = [
         ("wte", 9),
         ("wpe", 3),
@@ -156,8 +172,56 @@ fn finite_differences_match_staged_backward() -> R {
         ("ln_f.weight", 4),
         ("lm_head.weight", 11),
     ];
+    check_finite_differences(text, &probes)
+}
+
+#[test]
+fn finite_differences_match_staged_backward_llama() -> R {
+    let text = r#"
+        [model]
+        family = "llama"
+        vocab = 7
+        d_model = 8
+        n_layers = 2
+        n_heads = 2
+        n_kv_heads = 1
+        seq_len = 5
+        seed = 3
+        [stages]
+        count = 2
+    "#;
+    let probes = [
+        ("model.embed_tokens.weight", 9),
+        ("model.layers.0.input_layernorm.weight", 2),
+        ("model.layers.0.self_attn.q_proj.weight", 17),
+        ("model.layers.0.self_attn.k_proj.weight", 5),
+        ("model.layers.0.self_attn.v_proj.weight", 3),
+        ("model.layers.1.self_attn.o_proj.weight", 7),
+        ("model.layers.1.mlp.gate_proj.weight", 12),
+        ("model.layers.1.mlp.up_proj.weight", 30),
+        ("model.layers.1.mlp.down_proj.weight", 21),
+        ("model.layers.1.post_attention_layernorm.weight", 6),
+        ("model.norm.weight", 4),
+        ("lm_head.weight", 11),
+    ];
+    check_finite_differences(text, &probes)
+}
+
+/// Central differences of the loss against the staged backward, at a few entries of
+/// the named parameters of `text`'s model (f64).
+fn check_finite_differences(text: &str, probes: &[(&str, usize)]) -> R {
+    let cfg = RunConfig::from_toml(text, "micro")?;
+    let dev = Device::Cpu;
+    let stages = build(&cfg, DType::F64);
+    let (x, y) = tokens(&cfg, 2, 9, &dev);
+    let (_, grads) = staged_grads(&stages, &x, &y);
+    let loss_now = |stages: &[Stage]| -> f64 {
+        let h = stages[0].forward(&x).unwrap();
+        stages[1].loss(&h, &y).unwrap().to_scalar::<f64>().unwrap()
+    };
+
     let eps = 1e-5;
-    for (name, idx) in probes {
+    for &(name, idx) in probes {
         let (si, pi) = stages
             .iter()
             .enumerate()
@@ -194,7 +258,15 @@ fn finite_differences_match_staged_backward() -> R {
 
 #[test]
 fn every_parameter_receives_a_gradient() -> R {
-    let cfg = with_stages(RunConfig::tiny(), 4);
+    for (family, base) in families() {
+        let n = every_parameter_learns(with_stages(base, 4))?;
+        assert!(n > 10, "{family}: only {n} parameters");
+    }
+    Ok(())
+}
+
+/// Every parameter of `cfg`'s stages gets a finite non-zero gradient; returns how many.
+fn every_parameter_learns(cfg: RunConfig) -> Result<usize, Box<dyn std::error::Error>> {
     let stages = build(&cfg, DType::F32);
     let (x, y) = tokens(&cfg, 2, 3, &Device::Cpu);
     let (loss, grads) = staged_grads(&stages, &x, &y);
@@ -209,7 +281,7 @@ fn every_parameter_receives_a_gradient() -> R {
         let m = g.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(m > 0.0 && m.is_finite(), "{name}: max |grad| = {m}");
     }
-    Ok(())
+    Ok(total)
 }
 
 #[test]

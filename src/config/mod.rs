@@ -4,6 +4,10 @@
 //! or [`RunConfig::load`] is internally consistent (heads divide the width, stage cuts are
 //! in range, codecs parse). Every field has a documented default so configs stay short.
 
+mod model;
+
+pub use model::{Family, ModelConfig};
+
 use crate::wire::CodecSpec;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -30,28 +34,6 @@ pub enum ConfigError {
     /// The values are inconsistent.
     #[error("invalid config: {0}")]
     Invalid(String),
-}
-
-/// The decoder's shape.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// Vocabulary size (token ids are below it).
-    pub vocab: usize,
-    /// Width of the residual stream.
-    pub d_model: usize,
-    /// Transformer blocks.
-    pub n_layers: usize,
-    /// Attention heads per block (must divide `d_model`).
-    pub n_heads: usize,
-    /// Sequence length the model is trained on.
-    pub seq_len: usize,
-    /// Seed of the deterministic parameter initialisation.
-    #[serde(default = "d_seed")]
-    pub seed: u64,
-    /// MLP hidden width over `d_model` (default 4).
-    #[serde(default = "d_mlp_ratio")]
-    pub mlp_ratio: usize,
 }
 
 /// How the blocks are cut into pipeline stages.
@@ -172,6 +154,16 @@ pub enum DataConfig {
         /// A `.bin` file or a folder of them.
         path: PathBuf,
     },
+    /// A folder written by `shoal data prepare`: token shards, a held-out validation shard
+    /// and `meta.json`.
+    Prepared {
+        /// The folder.
+        path: PathBuf,
+        /// The hash of the tokenizer the run trains with (recorded by `--data`): data
+        /// tokenized otherwise is refused.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tokenizer: Option<String>,
+    },
 }
 
 impl Default for DataConfig {
@@ -258,9 +250,6 @@ impl AveragingConfig {
 
 fn d_seed() -> u64 {
     1
-}
-fn d_mlp_ratio() -> usize {
-    4
 }
 fn d_one() -> usize {
     1
@@ -385,8 +374,7 @@ impl RunConfig {
                 n_layers: 4,
                 n_heads: 4,
                 seq_len: 64,
-                seed: 1,
-                mlp_ratio: d_mlp_ratio(),
+                ..ModelConfig::default()
             },
             stages: StagesConfig {
                 count: 2,
@@ -468,24 +456,8 @@ impl RunConfig {
             }
         }
         let m = &self.model;
-        if m.vocab < 2 || m.d_model == 0 || m.n_layers == 0 || m.n_heads == 0 || m.seq_len == 0 {
-            return bad("model.vocab ≥ 2 and d_model, n_layers, n_heads, seq_len ≥ 1".into());
-        }
-        if m.vocab > u32::MAX as usize {
-            return bad(format!(
-                "model.vocab {} does not fit u32 token ids",
-                m.vocab
-            ));
-        }
-        if m.d_model % m.n_heads != 0 {
-            return bad(format!(
-                "model.n_heads ({}) must divide model.d_model ({})",
-                m.n_heads, m.d_model
-            ));
-        }
-        if m.mlp_ratio == 0 {
-            return bad("model.mlp_ratio must be ≥ 1".into());
-        }
+        m.validate(self.stages.count)
+            .map_err(ConfigError::Invalid)?;
         let s = &self.stages;
         if s.count == 0 || s.count > m.n_layers {
             return bad(format!(
@@ -561,5 +533,4 @@ impl RunConfig {
 }
 
 #[cfg(test)]
-#[path = "config_tests.rs"]
 mod tests;

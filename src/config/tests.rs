@@ -17,7 +17,7 @@ fn tiny_parses_and_even_split_covers_all_layers() {
 
 #[test]
 fn bad_values_are_one_line_errors() {
-    let base = include_str!("../configs/tiny.toml");
+    let base = include_str!("../../configs/tiny.toml");
     for (find, replace) in [
         ("n_heads = 4", "n_heads = 3"),
         ("count = 2", "count = 9"),
@@ -48,7 +48,8 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 #[test]
 fn the_built_in_tiny_config_is_the_shipped_file() -> TestResult {
-    let parsed = RunConfig::from_toml(include_str!("../configs/tiny.toml"), "configs/tiny.toml")?;
+    let parsed =
+        RunConfig::from_toml(include_str!("../../configs/tiny.toml"), "configs/tiny.toml")?;
     assert_eq!(RunConfig::tiny(), parsed);
     assert_eq!(OptimizerConfig::default(), toml::from_str("")?);
     assert_eq!(TrainingConfig::default(), toml::from_str("")?);
@@ -57,7 +58,7 @@ fn the_built_in_tiny_config_is_the_shipped_file() -> TestResult {
 
 #[test]
 fn averaging_knobs_are_optional_and_checked() -> TestResult {
-    let base = include_str!("../configs/tiny.toml");
+    let base = include_str!("../../configs/tiny.toml");
     let plain = RunConfig::from_toml(base, "x.toml")?;
     assert_eq!(plain.averaging, AveragingConfig::default());
     // Absent knobs leave the canonical text (and so the run id) as it was.

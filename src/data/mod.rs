@@ -1,11 +1,14 @@
 //! Token sources and deterministic sampling of training sequences.
 //!
 //! Sources: the built-in Markov corpus ([`markov`]), a UTF-8 text file tokenised as bytes,
-//! and nanoGPT-style shards of little-endian u16 tokens. A [`Sampler`] draws (input, target)
+//! nanoGPT-style shards of little-endian u16 tokens, and folders written by `shoal data
+//! prepare` ([`prepare`], with a [`tokenizer`]) whose validation shard is held out. A [`Sampler`] draws (input, target)
 //! batches as a pure function of (data seed, trainer index, draw count), so two trainers never
 //! feed the same sequence order and a rerun feeds the same one. Does not know about tensors.
 
 pub mod markov;
+pub mod prepare;
+pub mod tokenizer;
 
 pub use markov::MarkovSource;
 
@@ -53,6 +56,27 @@ pub enum DataError {
     /// A folder without `.bin` shards.
     #[error("folder {0} holds no .bin shards")]
     NoShards(PathBuf),
+    /// A file could not be written.
+    #[error("cannot write {path}: {cause}")]
+    Write {
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        cause: std::io::Error,
+    },
+    /// Preparing or reading prepared data failed.
+    #[error("{0}")]
+    Prepare(String),
+    /// Data tokenized otherwise than the run.
+    #[error("data {path} was tokenized with tokenizer {found}; the run uses {want}: prepare it with the run's tokenizer")]
+    OtherTokenizer {
+        /// The folder.
+        path: PathBuf,
+        /// Its tokenizer's hash.
+        found: String,
+        /// The run's.
+        want: String,
+    },
 }
 
 /// Where sequences come from.
@@ -66,6 +90,8 @@ pub enum TokenSource {
         origin: PathBuf,
         /// The tokens.
         tokens: Vec<u32>,
+        /// Held-out tokens for evaluation (prepared data's validation shard).
+        held_out: Option<Box<TokenSource>>,
     },
 }
 
@@ -131,7 +157,45 @@ impl TokenSource {
                 }
                 (path.clone(), tokens)
             }
+            DataConfig::Prepared { path, tokenizer } => {
+                let meta = prepare::read_meta(path)?;
+                if let Some(want) = tokenizer.as_ref().filter(|w| **w != meta.tokenizer) {
+                    return Err(DataError::OtherTokenizer {
+                        path: path.clone(),
+                        found: meta.tokenizer,
+                        want: want.clone(),
+                    });
+                }
+                if meta.vocab > vocab {
+                    return Err(DataError::Prepare(format!(
+                        "data {} was tokenized with a vocab of {}; model.vocab is {vocab}: \
+                         set model.vocab to at least {}",
+                        path.display(),
+                        meta.vocab,
+                        meta.vocab
+                    )));
+                }
+                let (tokens, val) = prepare::load(path, &meta)?;
+                let held_out = (val.len() >= need).then(|| {
+                    Box::new(Self::Tokens {
+                        origin: path.join(&meta.val),
+                        tokens: val,
+                        held_out: None,
+                    })
+                });
+                return Self::checked(path.clone(), tokens, vocab, need, held_out);
+            }
         };
+        Self::checked(origin, tokens, vocab, need, None)
+    }
+
+    fn checked(
+        origin: PathBuf,
+        tokens: Vec<u32>,
+        vocab: usize,
+        need: usize,
+        held_out: Option<Box<TokenSource>>,
+    ) -> Result<Self, DataError> {
         if tokens.is_empty() {
             return Err(DataError::Empty(origin));
         }
@@ -149,7 +213,22 @@ impl TokenSource {
                 vocab,
             });
         }
-        Ok(Self::Tokens { origin, tokens })
+        Ok(Self::Tokens {
+            origin,
+            tokens,
+            held_out,
+        })
+    }
+
+    /// Where evaluation batches come from: the held-out tokens when there are some, else
+    /// this source itself (drawn by a stream of its own, [`Sampler::eval`]).
+    pub fn eval_source(&self) -> &TokenSource {
+        match self {
+            Self::Tokens {
+                held_out: Some(h), ..
+            } => h,
+            _ => self,
+        }
     }
 
     /// The Markov source's best achievable mean loss at `seq_len`, if this is the Markov corpus.

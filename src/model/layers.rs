@@ -1,11 +1,14 @@
-//! The decoder's layers, written from primitive candle ops that all have a backward.
+//! The decoder's layers, written from primitive candle ops that all have a backward: the
+//! GPT block here, the Llama block in [`super::llama`], and what both share (the attention
+//! core, the causal mask, the key/value cache for generation).
 //!
 //! candle's fused `layer_norm`, `softmax_last_dim` and `sdpa` have no gradient and would cut
 //! the graph silently (LIBRARY-NOTES.md), so the norm and the attention softmax here are
 //! spelled out; the model tests check that every parameter receives a gradient.
 
+use super::llama::{LlamaBlock, Rope};
 use super::params::{Init, ParamSet};
-use crate::config::ModelConfig;
+use crate::config::{Family, ModelConfig};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Linear;
 
@@ -50,6 +53,12 @@ impl Builder<'_> {
         })
     }
 
+    /// An RMSNorm over the last dim with unit weight.
+    pub fn rms_norm(&mut self, name: &str, dim: usize, eps: f64) -> Result<super::llama::RmsNorm> {
+        let weight = self.param(&format!("{name}.weight"), &[dim], Init::Ones, false)?;
+        Ok(super::llama::RmsNorm::new(weight, eps))
+    }
+
     /// An embedding table N(0, std²), not decayed.
     pub fn embedding(&mut self, name: &str, rows: usize, dim: usize, std: f64) -> Result<Tensor> {
         self.param(name, &[rows, dim], Init::Normal(std), false)
@@ -73,6 +82,87 @@ impl Module for LayerNorm {
     }
 }
 
+/// The final norm of either family.
+#[derive(Debug, Clone)]
+pub enum Norm {
+    /// GPT's LayerNorm.
+    Layer(LayerNorm),
+    /// Llama's RMSNorm.
+    Rms(super::llama::RmsNorm),
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Layer(n) => n.forward(x),
+            Self::Rms(n) => n.forward(x),
+        }
+    }
+}
+
+/// What a block needs besides its input.
+pub struct Ctx<'a> {
+    /// The `[seq_len, seq_len]` causal mask.
+    pub mask: &'a Tensor,
+    /// The rotary tables (the Llama family).
+    pub rope: Option<&'a Rope>,
+    /// Position of the input's first token (non-zero when decoding with a cache).
+    pub pos: usize,
+}
+
+/// One block's keys and values of the tokens seen so far (generation).
+#[derive(Debug, Default)]
+pub struct KvCache {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    /// Tokens cached.
+    pub fn len(&self) -> usize {
+        self.kv
+            .as_ref()
+            .map_or(0, |(k, _)| k.dims().get(2).copied().unwrap_or(0))
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.kv.is_none()
+    }
+}
+
+/// This call's keys and values `[B, H, T, hd]`, appended to `cache` when there is one;
+/// returns every cached token's.
+pub(crate) fn with_cache(
+    k: Tensor,
+    v: Tensor,
+    cache: Option<&mut KvCache>,
+) -> Result<(Tensor, Tensor)> {
+    let Some(c) = cache else {
+        return Ok((k, v));
+    };
+    let (k, v) = match c.kv.take() {
+        Some((k0, v0)) => (Tensor::cat(&[&k0, &k], 2)?, Tensor::cat(&[&v0, &v], 2)?),
+        None => (k, v),
+    };
+    c.kv = Some((k.clone(), v.clone()));
+    Ok((k, v))
+}
+
+/// softmax(q·kᵀ/√hd + mask)·v for queries `[B, H, T, hd]` at positions `pos..pos+T` of
+/// the `S` keys and values `[B, H, S, hd]`.
+pub(crate) fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    pos: usize,
+) -> Result<Tensor> {
+    let (t, s, hd) = (q.dim(2)?, k.dim(2)?, q.dim(3)?);
+    let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+    let att = att.broadcast_add(&mask.narrow(0, pos, t)?.narrow(1, 0, s)?)?;
+    candle_nn::ops::softmax(&att, D::Minus1)?.matmul(v)
+}
+
 /// Causal multi-head self-attention.
 #[derive(Debug, Clone)]
 pub struct Attention {
@@ -82,8 +172,13 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// `mask` is `[T, T]` with 0 on and below the diagonal and a large negative value above.
-    pub fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// Attends over `x` `[B, T, D]` (and the cached tokens before it).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let hd = c / self.n_heads;
         let qkv = self
@@ -94,17 +189,48 @@ impl Attention {
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
-        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let att = att.broadcast_add(&mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        let (k, v) = with_cache(k, v, cache)?;
+        let y = attend(&q, &k, &v, ctx.mask, ctx.pos)?;
+        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
         self.proj.forward(&y)
+    }
+}
+
+/// A block of either family.
+#[derive(Debug, Clone)]
+pub enum Block {
+    /// GPT-2's.
+    Gpt(GptBlock),
+    /// Llama's.
+    Llama(LlamaBlock),
+}
+
+impl Block {
+    /// Block `i` of the config's family.
+    pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
+        Ok(match cfg.family {
+            Family::Gpt => Self::Gpt(GptBlock::new(b, cfg, i)?),
+            Family::Llama => Self::Llama(LlamaBlock::new(b, cfg, i)?),
+        })
+    }
+
+    /// Applies the block to `[B, T, D]`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Gpt(g) => g.forward(x, ctx, cache),
+            Self::Llama(l) => l.forward(x, ctx, cache),
+        }
     }
 }
 
 /// A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
 #[derive(Debug, Clone)]
-pub struct Block {
+pub struct GptBlock {
     ln1: LayerNorm,
     attn: Attention,
     ln2: LayerNorm,
@@ -112,7 +238,7 @@ pub struct Block {
     proj: Linear,
 }
 
-impl Block {
+impl GptBlock {
     /// Block `i`'s parameters, named `h.{i}.*`, GPT-2 initialisation (residual projections
     /// scaled by 1/√(2·n_layers)).
     pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
@@ -128,20 +254,19 @@ impl Block {
                 n_heads: cfg.n_heads,
             },
             ln2: b.layer_norm(&format!("{p}.ln2"), d)?,
-            fc: b.linear(&format!("{p}.mlp.fc"), d, cfg.mlp_ratio * d, std, true)?,
-            proj: b.linear(
-                &format!("{p}.mlp.proj"),
-                cfg.mlp_ratio * d,
-                d,
-                proj_std,
-                true,
-            )?,
+            fc: b.linear(&format!("{p}.mlp.fc"), d, cfg.ffn(), std, true)?,
+            proj: b.linear(&format!("{p}.mlp.proj"), cfg.ffn(), d, proj_std, true)?,
         })
     }
 
     /// Applies the block to `[B, T, D]`.
-    pub fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln1.forward(x)?, mask)?)?;
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln1.forward(x)?, ctx, cache)?)?;
         let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
         x + self.proj.forward(&h)?
     }

@@ -1,4 +1,4 @@
-//! The GPT-style decoder, cut into pipeline stages, with its optimizer and checkpoints.
+//! The decoder (GPT or Llama blocks), cut into pipeline stages, with its optimizer and checkpoints.
 //!
 //! Owns the math: layers ([`layers`]), deterministic parameters ([`params`]), one stage's
 //! forward and backward ([`stage`]), AdamW ([`optim`]) and safetensors checkpoints
@@ -6,6 +6,7 @@
 
 pub mod checkpoint;
 pub mod layers;
+pub mod llama;
 pub mod optim;
 pub mod params;
 pub mod stage;

@@ -6,10 +6,11 @@
 //! activations between calls), so `backward(input, ·)` needs only the input and the
 //! upstream gradient or targets.
 
-use super::layers::{causal_mask, Block, Builder};
+use super::layers::{causal_mask, Block, Builder, Ctx, KvCache, Norm};
+use super::llama::Rope;
 use super::params::ParamSet;
 use super::ModelError;
-use crate::config::{ModelConfig, RunConfig};
+use crate::config::{Family, ModelConfig, RunConfig};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::Linear;
 
@@ -55,11 +56,12 @@ pub struct StageGrads {
 
 struct Embed {
     wte: Tensor,
-    wpe: Tensor,
+    /// Learned positions (GPT).
+    wpe: Option<Tensor>,
 }
 
 struct Head {
-    ln_f: super::layers::LayerNorm,
+    norm: Norm,
     lm_head: Linear,
 }
 
@@ -74,6 +76,7 @@ pub struct Stage {
     blocks: Vec<Block>,
     head: Option<Head>,
     mask: Tensor,
+    rope: Option<Rope>,
     device: Device,
     dtype: DType,
 }
@@ -111,22 +114,43 @@ impl Stage {
         let mut b = Builder {
             params: &mut params,
         };
-        let embed = if index == 0 {
-            Some(Embed {
+        let llama = m.family == Family::Llama;
+        let embed = match (index, llama) {
+            (0, false) => Some(Embed {
                 wte: b.embedding("wte", m.vocab, m.d_model, 0.02)?,
-                wpe: b.embedding("wpe", m.seq_len, m.d_model, 0.01)?,
-            })
-        } else {
-            None
+                wpe: Some(b.embedding("wpe", m.seq_len, m.d_model, 0.01)?),
+            }),
+            (0, true) => Some(Embed {
+                wte: b.embedding("model.embed_tokens.weight", m.vocab, m.d_model, 0.02)?,
+                wpe: None,
+            }),
+            _ => None,
         };
         let blocks = (lo..hi)
             .map(|i| Block::new(&mut b, &m, i))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let head = if index + 1 == ranges.len() {
-            Some(Head {
-                ln_f: b.layer_norm("ln_f", m.d_model)?,
+        let head = match (index + 1 == ranges.len(), llama) {
+            (false, _) => None,
+            (true, false) => Some(Head {
+                norm: Norm::Layer(b.layer_norm("ln_f", m.d_model)?),
                 lm_head: b.linear("lm_head", m.d_model, m.vocab, 0.02, false)?,
-            })
+            }),
+            (true, true) => Some(Head {
+                norm: Norm::Rms(b.rms_norm("model.norm", m.d_model, m.eps())?),
+                lm_head: match (&embed, m.tie_embeddings) {
+                    (Some(e), true) => Linear::new(e.wte.clone(), None),
+                    _ => b.linear("lm_head", m.d_model, m.vocab, 0.02, false)?,
+                },
+            }),
+        };
+        let rope = if llama {
+            Some(Rope::new(
+                m.seq_len,
+                m.head_dim(),
+                m.rope_base(),
+                device,
+                dtype,
+            )?)
         } else {
             None
         };
@@ -141,6 +165,7 @@ impl Stage {
             blocks,
             head,
             mask,
+            rope,
             device: device.clone(),
             dtype,
         })
@@ -242,22 +267,64 @@ impl Stage {
     }
 
     fn run(&self, input: &Tensor) -> candle_core::Result<Tensor> {
+        self.run_at(input, 0, None)
+    }
+
+    /// The forward of tokens at positions `pos..`, through `cache` (one per block) when
+    /// decoding.
+    fn run_at(
+        &self,
+        input: &Tensor,
+        pos: usize,
+        mut cache: Option<&mut [KvCache]>,
+    ) -> candle_core::Result<Tensor> {
         let mut x = match &self.embed {
             Some(e) => {
                 let (b, t) = input.dims2()?;
                 let tok = e.wte.index_select(&input.flatten_all()?, 0)?;
                 let tok = tok.reshape((b, t, self.cfg.d_model))?;
-                tok.broadcast_add(&e.wpe.narrow(0, 0, t)?)?
+                match &e.wpe {
+                    Some(wpe) => tok.broadcast_add(&wpe.narrow(0, pos, t)?)?,
+                    None => tok,
+                }
             }
             None => input.clone(),
         };
-        for block in &self.blocks {
-            x = block.forward(&x, &self.mask)?;
+        let ctx = Ctx {
+            mask: &self.mask,
+            rope: self.rope.as_ref(),
+            pos,
+        };
+        for (i, block) in self.blocks.iter().enumerate() {
+            let c = cache.as_deref_mut().and_then(|c| c.get_mut(i));
+            x = block.forward(&x, &ctx, c)?;
         }
         match &self.head {
-            Some(h) => h.lm_head.forward(&h.ln_f.forward(&x)?),
+            Some(h) => h.lm_head.forward(&h.norm.forward(&x)?),
             None => Ok(x),
         }
+    }
+
+    /// Generation: the forward of `input` (token ids on stage 0, else activations) at
+    /// positions `pos..pos+T`, keeping each block's keys and values in `cache` (grown to one
+    /// per block). `pos + T` must not pass the model's `seq_len`.
+    pub fn forward_cached(
+        &self,
+        input: &Tensor,
+        pos: usize,
+        cache: &mut Vec<KvCache>,
+    ) -> Result<Tensor, ModelError> {
+        let t = input.dims().get(1).copied().unwrap_or(0);
+        if pos + t > self.cfg.seq_len {
+            return Err(ModelError::BadInput(format!(
+                "positions {pos}..{} pass the model's context of {}",
+                pos + t,
+                self.cfg.seq_len
+            )));
+        }
+        self.check_input(input)?;
+        cache.resize_with(self.blocks.len(), KvCache::default);
+        Ok(self.run_at(input, pos, Some(cache))?.detach())
     }
 
     /// Activations `[B, T, D]`, or logits `[B, T, vocab]` on the last stage.

@@ -1,0 +1,114 @@
+//! `shoal tokenizer train` and `shoal data prepare`: the user's text → a tokenizer → token
+//! shards a run trains on.
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use shoal::data::prepare::{self, Progress};
+use shoal::data::tokenizer::{self, Tok};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(Subcommand)]
+pub enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer on text files and write it as a tokenizer.json.
+    Train {
+        /// UTF-8 text files to learn from.
+        #[arg(long, value_name = "FILE", num_args = 1.., required = true)]
+        data: Vec<PathBuf>,
+        /// Tokens in the vocabulary, at most (the 256 bytes and <|endoftext|> included).
+        #[arg(long, value_name = "N")]
+        vocab: usize,
+        /// Where to write the tokenizer.
+        #[arg(long, value_name = "FILE", default_value = "tokenizer.json")]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DataCommand {
+    /// Tokenize text files into shards (u16 or u32), a held-out validation shard and
+    /// meta.json, for `--data DIR`.
+    Prepare {
+        /// A tokenizer.json (from `shoal tokenizer train` or Hugging Face).
+        #[arg(long, value_name = "FILE")]
+        tokenizer: PathBuf,
+        /// UTF-8 text files.
+        #[arg(long, value_name = "FILE", num_args = 1.., required = true)]
+        data: Vec<PathBuf>,
+        /// The folder to write.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+}
+
+pub fn tokenizer(which: TokenizerCommand) -> Result<ExitCode> {
+    let TokenizerCommand::Train { data, vocab, out } = which;
+    let bytes: u64 = data
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum();
+    eprintln!(
+        "training a byte-level BPE of ≤{vocab} tokens on {} file(s), {:.1} MB",
+        data.len(),
+        bytes as f64 / 1e6
+    );
+    let started = Instant::now();
+    let tok = tokenizer::train(&data, vocab, &out)?;
+    println!(
+        "wrote {}: {} tokens, hash {}, in {:.1} s",
+        out.display(),
+        tok.vocab(),
+        tok.hash(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn data(which: DataCommand) -> Result<ExitCode> {
+    let DataCommand::Prepare {
+        tokenizer,
+        data,
+        out,
+    } = which;
+    let tok = Tok::load(&tokenizer)?;
+    eprintln!(
+        "tokenizer {} ({} tokens, hash {})",
+        tokenizer.display(),
+        tok.vocab(),
+        tok.hash()
+    );
+    let tty = std::io::stderr().is_terminal();
+    let show = |p: &Progress| {
+        let line = format!(
+            "files {}/{}, {:.1} MB read, {} tokens, {:.1} MB/s",
+            p.files_done,
+            p.files,
+            p.bytes as f64 / 1e6,
+            p.tokens,
+            p.mb_per_s()
+        );
+        if tty {
+            eprint!("\r{line}   ");
+        } else {
+            eprintln!("{line}");
+        }
+    };
+    let meta = prepare::prepare(&tok, &data, &out, &mut |p| show(p))
+        .with_context(|| format!("preparing {}", out.display()))?;
+    if tty {
+        eprintln!();
+    }
+    println!(
+        "wrote {}: {} training tokens in {} shard(s) ({}), {} held out; {}",
+        out.display(),
+        meta.train_tokens,
+        meta.train.len(),
+        meta.dtype,
+        meta.val_tokens,
+        meta.description
+    );
+    Ok(ExitCode::SUCCESS)
+}
