@@ -31,6 +31,10 @@ pub enum RunCommand {
         /// Where to write the manifest.
         #[arg(long, value_name = "FILE", default_value = "run.toml")]
         out: PathBuf,
+        /// Train on this data (a folder from `shoal data prepare`; its tokenizer's hash is
+        /// recorded, so trainers with other data are refused).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
     },
 }
 
@@ -93,9 +97,17 @@ pub struct PeerArgs {
     /// Trainer loops to run beside the stage (0 for none).
     #[arg(long, default_value_t = PeerConfig::CLI_TRAINERS, value_name = "N")]
     pub trainers: usize,
-    /// Write the stage's checkpoint (safetensors) here on Ctrl-C / SIGTERM.
+    /// Write the stage's checkpoint (safetensors) here on Ctrl-C / SIGTERM (and every
+    /// `--checkpoint-every` seconds).
     #[arg(long, value_name = "FILE")]
     pub checkpoint: Option<PathBuf>,
+    /// Also checkpoint this often while serving (atomic; the step and hash are inside).
+    #[arg(long, value_name = "SECS", requires = "checkpoint")]
+    pub checkpoint_every: Option<f64>,
+    /// Start from this stage checkpoint (its stage, unless --stage says the same). A
+    /// replica that finds live replicas ahead of it downloads their state instead.
+    #[arg(long, value_name = "FILE")]
+    pub resume: Option<PathBuf>,
     /// Samples/s to announce: `auto` measures the stage at start-up, a number declares it.
     #[arg(long, default_value = "auto", value_name = "auto|N")]
     pub throughput: String,
@@ -152,6 +164,9 @@ pub struct SwarmTrainArgs {
     /// Seconds a stage call may take before the microbatch is swapped to another replica.
     #[arg(long, default_value_t = TrainerConfig::CALL_TIMEOUT.as_secs_f64(), value_name = "SECS")]
     pub call_timeout: f64,
+    /// This machine's copy of the run's prepared data (`shoal train --data DIR`).
+    #[arg(skip)]
+    pub data: Option<PathBuf>,
     #[command(flatten)]
     pub events: EventsArgs,
 }
@@ -228,12 +243,30 @@ impl TryFrom<&PeerArgs> for PeerConfig {
 
     /// Validates `shoal peer`'s flags; loads (or creates) the identity key.
     fn try_from(a: &PeerArgs) -> Result<Self> {
-        let stage = match a.stage.as_str() {
+        let mut stage = match a.stage.as_str() {
             "auto" => StageChoice::Auto,
             "none" => StageChoice::None,
             s => StageChoice::Index(s.parse().map_err(|_| {
                 anyhow::anyhow!("--stage must be `auto`, `none` or a stage index, not {s:?}")
             })?),
+        };
+        if let Some(path) = &a.resume {
+            let info = shoal::model::checkpoint::peek(path)?;
+            stage = match stage {
+                StageChoice::Auto => StageChoice::Index(info.stage),
+                StageChoice::Index(s) if s == info.stage => stage,
+                _ => bail!(
+                    "--resume {} holds stage {}, but --stage is {}",
+                    path.display(),
+                    info.stage,
+                    a.stage
+                ),
+            };
+        }
+        let checkpoint_every = match a.checkpoint_every {
+            None => None,
+            Some(s) if s.is_finite() && s >= 1.0 => Some(Duration::from_secs_f64(s)),
+            Some(s) => bail!("--checkpoint-every must be at least 1 second, not {s}"),
         };
         let device = shoal::model::parse_device(&a.device).map_err(anyhow::Error::msg)?;
         if a.queue == 0 {
@@ -285,6 +318,8 @@ impl TryFrom<&PeerArgs> for PeerConfig {
         };
         cfg.trainers = a.trainers;
         cfg.checkpoint = a.checkpoint.clone();
+        cfg.checkpoint_every = checkpoint_every;
+        cfg.resume = a.resume.clone();
         cfg.throughput = throughput;
         cfg.rebalance = (a.rebalance_every > 0).then(|| Duration::from_secs(a.rebalance_every));
         cfg.allow_sim = a.allow_sim;
@@ -319,5 +354,6 @@ pub fn trainer_config(a: &SwarmTrainArgs) -> Result<PeerConfig> {
     cfg.trainer.sync_steps = !a.no_sync_steps;
     cfg.trainer.routing = a.routing.parse().map_err(anyhow::Error::msg)?;
     cfg.trainer.call_timeout = Duration::from_secs_f64(a.call_timeout);
+    cfg.trainer.data = a.data.clone();
     Ok(cfg)
 }

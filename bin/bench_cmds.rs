@@ -240,3 +240,70 @@ pub fn bench_allreduce(
     );
     Ok(ExitCode::SUCCESS)
 }
+
+/// `shoal bench stage`.
+pub fn bench_stage(
+    config: &std::path::Path,
+    stage: usize,
+    device: &str,
+    dtypes: &str,
+    batch: Option<usize>,
+    seconds: f64,
+    json: bool,
+) -> Result<ExitCode> {
+    use shoal::bench::stage;
+    let cfg = shoal::config::RunConfig::load(config)?;
+    let dev = shoal::model::parse_device(device).map_err(anyhow::Error::msg)?;
+    if stage >= cfg.stages.count {
+        bail!("--stage {stage}: the run has {} stages", cfg.stages.count);
+    }
+    if !(seconds.is_finite() && seconds > 0.0) {
+        bail!("--seconds must be positive");
+    }
+    // The gradient check on a small model of the same family, on this device.
+    let mut small = shoal::config::RunConfig::tiny();
+    small.model.family = cfg.model.family;
+    small.model.n_kv_heads = (cfg.model.family == shoal::config::Family::Llama).then_some(2);
+    let err = stage::gradient_check(&small, 2, &dev)?;
+    let mut rows = Vec::new();
+    for d in dtypes.split(',') {
+        let dtype = match d.trim() {
+            "f32" => candle_core::DType::F32,
+            "bf16" => candle_core::DType::BF16,
+            "f16" => candle_core::DType::F16,
+            other => bail!("unknown dtype {other:?} (f32, bf16, f16)"),
+        };
+        let b = batch.unwrap_or(cfg.training.batch_size).max(1);
+        let r = stage::throughput(&cfg, stage, &dev, dtype, b, seconds)?;
+        if !json {
+            println!(
+                "stage {} of {} ({:.1}M parameters) on {device}, {}: batch {} x {} tokens, {} passes, {:.0} tokens/s forward+backward",
+                r.stage,
+                config.display(),
+                r.params as f64 / 1e6,
+                r.dtype,
+                r.batch,
+                cfg.model.seq_len,
+                r.passes,
+                r.tokens_per_s
+            );
+        }
+        rows.push(r);
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"gradient_check_max_rel_err": err, "rows": rows})
+        );
+    } else {
+        println!(
+            "staged gradients = unsplit on {device}: max relative error {err:.2e} ({})",
+            if err < 1e-3 { "ok" } else { "TOO LARGE" }
+        );
+    }
+    Ok(if err < 1e-3 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -11,8 +11,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-pub fn run_new(config: PathBuf, out: PathBuf) -> Result<ExitCode> {
-    let m = Manifest::load(&config)?;
+pub fn run_new(config: PathBuf, out: PathBuf, data: Option<PathBuf>) -> Result<ExitCode> {
+    let m = match data {
+        None => Manifest::load(&config)?,
+        Some(d) => {
+            let mut cfg = shoal::config::RunConfig::load(&config)?;
+            crate::data_cmds::data_override(&mut cfg, &d)?;
+            Manifest::from_config(&cfg)?
+        }
+    };
     shoal::model::checkpoint::write_atomic(&out, m.file_text().as_bytes())
         .with_context(|| format!("cannot write {}", out.display()))?;
     eprintln!(

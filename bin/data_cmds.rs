@@ -1,12 +1,13 @@
 //! `shoal tokenizer train` and `shoal data prepare`: the user's text → a tokenizer → token
 //! shards a run trains on.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Subcommand;
+use shoal::config::{DataConfig, RunConfig};
 use shoal::data::prepare::{self, Progress};
 use shoal::data::tokenizer::{self, Tok};
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -111,4 +112,48 @@ pub fn data(which: DataCommand) -> Result<ExitCode> {
         meta.description
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Points `cfg` at `path`: a prepared folder (recording its tokenizer's hash), a text file
+/// (byte tokens), or u16 shards.
+pub fn data_override(cfg: &mut RunConfig, path: &Path) -> Result<()> {
+    if !path.exists() {
+        bail!("data path {} does not exist", path.display());
+    }
+    if path.join("meta.json").is_file() {
+        let meta = shoal::data::prepare::read_meta(path)?;
+        if meta.vocab > cfg.model.vocab {
+            bail!(
+                "data {} was tokenized with a vocab of {}; the config's model.vocab is {}: \
+                 use a config with model.vocab ≥ {} or a smaller tokenizer",
+                path.display(),
+                meta.vocab,
+                cfg.model.vocab,
+                meta.vocab
+            );
+        }
+        cfg.data = DataConfig::Prepared {
+            path: path.to_path_buf(),
+            tokenizer: Some(meta.tokenizer),
+        };
+        return Ok(());
+    }
+    let shards = path.is_dir() || path.extension().is_some_and(|e| e == "bin");
+    cfg.data = if shards {
+        DataConfig::Shards {
+            path: path.to_path_buf(),
+        }
+    } else {
+        if cfg.model.vocab < 256 {
+            eprintln!(
+                "note: text is tokenised as bytes; model.vocab raised from {} to 256",
+                cfg.model.vocab
+            );
+            cfg.model.vocab = 256;
+        }
+        DataConfig::Text {
+            path: path.to_path_buf(),
+        }
+    };
+    Ok(())
 }

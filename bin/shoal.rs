@@ -8,15 +8,16 @@ mod bench_cmds;
 mod client_cmds;
 mod data_cmds;
 mod harness;
+mod model_cmds;
 mod peer_cmd;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use shoal::config::{DataConfig, RunConfig};
+use shoal::config::RunConfig;
 use shoal::train::{LocalOptions, LocalReport, Progress};
 use shoal::wire::CodecSpec;
 use std::io::{IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -65,6 +66,10 @@ enum Command {
         #[command(subcommand)]
         which: data_cmds::DataCommand,
     },
+    /// Collect every stage's parameters into one model file: `export --checkpoints F... --out model.safetensors`.
+    Export(model_cmds::ExportArgs),
+    /// Continue a prompt with an exported model.
+    Generate(model_cmds::GenerateArgs),
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -87,9 +92,20 @@ struct TrainArgs {
     common: CommonArgs,
     /// Train on this data instead of the config's: a folder from `shoal data prepare`, a
     /// UTF-8 text file (byte tokens), or a `.bin` shard / folder of shards of
-    /// little-endian u16 tokens.
+    /// little-endian u16 tokens. Through a swarm: this machine's copy of the run's
+    /// prepared data (refused unless tokenized with the run's tokenizer).
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
+    /// --local: write every stage's checkpoint (FILE.stage0, FILE.stage1, ...) at the end
+    /// and every --checkpoint-every seconds.
+    #[arg(long, value_name = "FILE", requires = "local")]
+    checkpoint: Option<PathBuf>,
+    /// --local: also checkpoint this often.
+    #[arg(long, value_name = "SECS", requires = "checkpoint")]
+    checkpoint_every: Option<f64>,
+    /// --local: continue from the checkpoints written with --checkpoint FILE.
+    #[arg(long, value_name = "FILE", requires = "local")]
+    resume: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -128,6 +144,31 @@ struct CommonArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// One stage's forward + backward tokens/s on a device (after checking, on that device,
+    /// that staged gradients equal the unsplit model's).
+    Stage {
+        /// Run config, e.g. configs/gpt2-124m.toml.
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// The stage to time.
+        #[arg(long, default_value_t = 0, value_name = "I")]
+        stage: usize,
+        /// Device: cpu, cuda:N or metal.
+        #[arg(long, default_value = "cpu", value_name = "DEVICE")]
+        device: String,
+        /// Comma-separated dtypes: f32, bf16, f16.
+        #[arg(long, default_value = "f32", value_name = "LIST")]
+        dtypes: String,
+        /// Microbatch size (default: the config's training.batch_size).
+        #[arg(long, value_name = "N")]
+        batch: Option<usize>,
+        /// Seconds timed per dtype.
+        #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+        seconds: f64,
+        /// Print JSON instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
     /// Encode+decode speed, compression ratio and error of every tensor codec.
     Codec {
         /// Elements in the N(0, 1) test tensor.
@@ -222,48 +263,6 @@ fn apply_common(cfg: &mut RunConfig, c: &CommonArgs) -> Result<LocalOptions> {
     })
 }
 
-fn data_override(cfg: &mut RunConfig, path: &Path) -> Result<()> {
-    if !path.exists() {
-        bail!("data path {} does not exist", path.display());
-    }
-    if path.join("meta.json").is_file() {
-        let meta = shoal::data::prepare::read_meta(path)?;
-        if meta.vocab > cfg.model.vocab {
-            bail!(
-                "data {} was tokenized with a vocab of {}; the config's model.vocab is {}: \
-                 use a config with model.vocab ≥ {} or a smaller tokenizer",
-                path.display(),
-                meta.vocab,
-                cfg.model.vocab,
-                meta.vocab
-            );
-        }
-        cfg.data = DataConfig::Prepared {
-            path: path.to_path_buf(),
-            tokenizer: Some(meta.tokenizer),
-        };
-        return Ok(());
-    }
-    let shards = path.is_dir() || path.extension().is_some_and(|e| e == "bin");
-    cfg.data = if shards {
-        DataConfig::Shards {
-            path: path.to_path_buf(),
-        }
-    } else {
-        if cfg.model.vocab < 256 {
-            eprintln!(
-                "note: text is tokenised as bytes; model.vocab raised from {} to 256",
-                cfg.model.vocab
-            );
-            cfg.model.vocab = 256;
-        }
-        DataConfig::Text {
-            path: path.to_path_buf(),
-        }
-    };
-    Ok(())
-}
-
 /// Prints progress: a bar redrawn in place on a terminal, a line every ~5% otherwise.
 struct ProgressPrinter {
     tty: bool,
@@ -334,6 +333,12 @@ fn summary(cfg: &RunConfig, r: &LocalReport) -> String {
 
 fn train(cfg: &RunConfig, opts: &LocalOptions) -> Result<LocalReport> {
     let steps = opts.steps.unwrap_or(cfg.training.steps);
+    if let Some(r) = &opts.resume {
+        println!(
+            "resuming from {} (and the other stages' files)",
+            shoal::train::stage_checkpoint(r, 0).display()
+        );
+    }
     println!(
         "training {} stage(s) of a {}-layer d{} model locally for {steps} steps on {:?}, activations {}",
         cfg.stages.count, cfg.model.n_layers, cfg.model.d_model, opts.device, cfg.codecs.activations
@@ -348,14 +353,30 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(a) => {
             let Some(config) = a.config.as_ref().filter(|_| a.local) else {
-                return peer_cmd::train_swarm(a.swarm);
+                let mut swarm = a.swarm;
+                swarm.data = a.data;
+                return peer_cmd::train_swarm(swarm);
             };
             let mut cfg = RunConfig::load(config)?;
             if let Some(d) = &a.data {
-                data_override(&mut cfg, d)?;
+                data_cmds::data_override(&mut cfg, d)?;
             }
-            let opts = apply_common(&mut cfg, &a.common)?;
-            train(&cfg, &opts)?;
+            let mut opts = apply_common(&mut cfg, &a.common)?;
+            opts.checkpoint = a.checkpoint.clone();
+            opts.resume = a.resume.clone();
+            opts.checkpoint_every = match a.checkpoint_every {
+                None => None,
+                Some(s) if s.is_finite() && s >= 1.0 => Some(std::time::Duration::from_secs_f64(s)),
+                Some(s) => bail!("--checkpoint-every must be at least 1 second, not {s}"),
+            };
+            let report = train(&cfg, &opts)?;
+            if let Some(path) = &opts.checkpoint {
+                println!(
+                    "checkpoints at step {} written to {}",
+                    report.steps,
+                    shoal::train::stage_checkpoint(path, 0).display()
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(a) if !a.local => bench_cmds::demo(
@@ -389,11 +410,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Run {
-            which: args::RunCommand::New { config, out },
-        } => client_cmds::run_new(config, out),
+            which: args::RunCommand::New { config, out, data },
+        } => client_cmds::run_new(config, out, data),
         Command::Peer(a) => peer_cmd::peer(a),
         Command::Tokenizer { which } => data_cmds::tokenizer(which),
         Command::Data { which } => data_cmds::data(which),
+        Command::Export(a) => model_cmds::export(a),
+        Command::Generate(a) => model_cmds::generate(a),
         Command::Status(a) => client_cmds::status(a),
         Command::Probe(a) => client_cmds::probe(a),
         Command::Swarm {
@@ -420,6 +443,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     json,
                 },
         } => bench_cmds::bench_swarm(&scenario, (seconds, samples), warmup, concurrency, json),
+        Command::Bench {
+            which:
+                BenchCommand::Stage {
+                    config,
+                    stage,
+                    device,
+                    dtypes,
+                    batch,
+                    seconds,
+                    json,
+                },
+        } => bench_cmds::bench_stage(&config, stage, &device, &dtypes, batch, seconds, json),
         Command::Bench {
             which:
                 BenchCommand::Transfer {

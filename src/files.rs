@@ -17,6 +17,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// Writes `bytes` to `path` atomically; with `mode` (unix permission bits, e.g. 0o600 for
 /// secrets) the file has those permissions from its creation on, never wider.
 pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: Option<u32>) -> std::io::Result<()> {
+    write_atomic_with(path, |tmp| {
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        if let Some(m) = mode {
+            use std::os::unix::fs::OpenOptionsExt;
+            // A leftover temp file could have wider permissions; never reuse one.
+            opts.create_new(true).mode(m);
+        }
+        #[cfg(not(unix))]
+        let _ = mode;
+        opts.open(tmp)?.write_all(bytes)
+    })
+}
+
+/// Lets `write` create a temporary file beside `path`, then syncs it and renames it over
+/// `path` atomically (the temporary file is removed if anything fails).
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -31,19 +52,11 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: Option<u32>) -> std::i
         NEXT_TEMP.fetch_add(1, Ordering::Relaxed)
     ));
     let result = (|| {
-        let mut opts = std::fs::OpenOptions::new();
-        opts.write(true).create(true).truncate(true);
-        #[cfg(unix)]
-        if let Some(m) = mode {
-            use std::os::unix::fs::OpenOptionsExt;
-            // A leftover temp file could have wider permissions; never reuse one.
-            opts.create_new(true).mode(m);
-        }
-        #[cfg(not(unix))]
-        let _ = mode;
-        let mut f = opts.open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        write(&tmp)?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&tmp)?
+            .sync_all()?;
         std::fs::rename(&tmp, path)?;
         // Persist the rename itself; not every platform can open a folder, so best effort.
         if let Ok(d) = std::fs::File::open(dir) {

@@ -50,6 +50,13 @@ pub struct LocalOptions {
     pub device: Device,
     /// Held-out batches for the final evaluation.
     pub eval_batches: usize,
+    /// Write every stage's checkpoint at the end (and every `checkpoint_every`) to
+    /// [`stage_checkpoint`]`(path, stage)`.
+    pub checkpoint: Option<std::path::PathBuf>,
+    /// Also checkpoint this often.
+    pub checkpoint_every: Option<std::time::Duration>,
+    /// Start from the checkpoints written with this path (every stage at one step).
+    pub resume: Option<std::path::PathBuf>,
 }
 
 impl Default for LocalOptions {
@@ -58,8 +65,41 @@ impl Default for LocalOptions {
             steps: None,
             device: Device::Cpu,
             eval_batches: 8,
+            checkpoint: None,
+            checkpoint_every: None,
+            resume: None,
         }
     }
+}
+
+/// Where a local run keeps stage `stage`'s checkpoint: `PATH.stageN`.
+pub fn stage_checkpoint(path: &std::path::Path, stage: usize) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".stage{stage}"));
+    name.into()
+}
+
+/// Writes every stage's checkpoint of the local run `run` (canonical config `config`).
+fn save_all(
+    path: &std::path::Path,
+    stages: &[Stage],
+    opts: &[AdamW],
+    run: &crate::dht::Manifest,
+    samples: u64,
+) -> Result<(), TrainError> {
+    for (stage, opt) in stages.iter().zip(opts) {
+        let info = crate::model::checkpoint::Info {
+            run: run.id.clone(),
+            config: run.canonical.clone(),
+            stage: stage.index(),
+            step: opt.step_count(),
+            params_hash: format!("{:016x}", stage.params().hash()?),
+            samples_applied: samples,
+            samples_lost: 0,
+        };
+        crate::model::checkpoint::save(stage, opt, &stage_checkpoint(path, stage.index()), &info)?;
+    }
+    Ok(())
 }
 
 /// One step's figures, for progress display.
@@ -80,7 +120,9 @@ pub struct Progress {
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct LocalReport {
-    /// Steps run.
+    /// The step training started from (0, or the resumed checkpoints' step).
+    pub first_step: u64,
+    /// The step training ended at.
     pub steps: u64,
     /// Training loss of every step.
     pub losses: Vec<f32>,
@@ -209,10 +251,33 @@ pub fn train_local(
     let mut wire = Boundary::new(cfg.codecs.activations);
     let (batch, seq) = (cfg.training.batch_size, cfg.model.seq_len);
     let micro_per_step = cfg.target_batch_size().div_ceil(batch);
+    let run =
+        crate::dht::Manifest::from_config(cfg).map_err(|e| ModelError::BadInput(e.to_string()))?;
+    let mut first = 0;
+    if let Some(path) = &opts.resume {
+        let mut at = Vec::new();
+        for (stage, opt) in stages.iter().zip(&mut opts_per_stage) {
+            let file = stage_checkpoint(path, stage.index());
+            at.push(crate::model::checkpoint::load(stage, opt, &file, &run.id)?.step);
+        }
+        first = at[0];
+        if at.iter().any(|&s| s != first) {
+            return Err(ModelError::Checkpoint(format!(
+                "the stage checkpoints of {} are at different steps {at:?}",
+                path.display()
+            ))
+            .into());
+        }
+        // The same data stream as an uninterrupted run.
+        for _ in 0..first * micro_per_step as u64 {
+            sampler.next_batch(&source, batch, seq);
+        }
+    }
     let start = Instant::now();
+    let mut saved = Instant::now();
     let mut losses = Vec::with_capacity(steps as usize);
     let mut tokens = 0u64;
-    for step in 0..steps {
+    for step in first..steps {
         let mut acc: Vec<Option<Vec<Tensor>>> = vec![None; stages.len()];
         let mut loss_sum = 0.0f32;
         for _ in 0..micro_per_step {
@@ -259,6 +324,18 @@ pub fn train_local(
             lr = opt.step(stage.params(), &grads)?.lr;
         }
         losses.push(loss);
+        if let (Some(path), Some(every)) = (&opts.checkpoint, opts.checkpoint_every) {
+            if saved.elapsed() >= every {
+                save_all(
+                    path,
+                    &stages,
+                    &opts_per_stage,
+                    &run,
+                    (step + 1) * (micro_per_step * batch) as u64,
+                )?;
+                saved = Instant::now();
+            }
+        }
         progress(&Progress {
             step: step + 1,
             steps,
@@ -268,8 +345,18 @@ pub fn train_local(
         });
     }
     let seconds = start.elapsed().as_secs_f64();
+    if let Some(path) = &opts.checkpoint {
+        save_all(
+            path,
+            &stages,
+            &opts_per_stage,
+            &run,
+            steps * (micro_per_step * batch) as u64,
+        )?;
+    }
     let eval_loss = evaluate(cfg, &stages, &source, opts.eval_batches)?;
     Ok(LocalReport {
+        first_step: first,
         steps,
         losses,
         eval_loss,

@@ -318,7 +318,17 @@ fn checkpoint_round_trips_bit_identically() -> R {
     }
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("stage1.safetensors");
-    checkpoint::save(&stage, &opt, &path)?;
+    let info = checkpoint::Info {
+        run: "run-a".into(),
+        config: "[model]".into(),
+        stage: 1,
+        step: opt.step_count(),
+        params_hash: format!("{:016x}", stage.params().hash()?),
+        samples_applied: 48,
+        samples_lost: 2,
+    };
+    checkpoint::save(&stage, &opt, &path, &info)?;
+    assert_eq!(checkpoint::peek(&path)?, info);
     // Nothing but the checkpoint is left in the folder (the temp file was renamed).
     assert_eq!(std::fs::read_dir(dir.path())?.count(), 1);
 
@@ -327,7 +337,11 @@ fn checkpoint_round_trips_bit_identically() -> R {
     let fresh = Stage::new(&other_cfg, 1, &dev)?;
     let mut fresh_opt = AdamW::new(&cfg.optimizer, cfg.training.steps, fresh.params())?;
     assert_ne!(fresh.params().hash()?, stage.params().hash()?);
-    let step = checkpoint::load(&fresh, &mut fresh_opt, &path)?;
+    // Another run's checkpoint is refused before anything changes.
+    let err = checkpoint::load(&fresh, &mut fresh_opt, &path, "run-b").unwrap_err();
+    assert!(err.to_string().contains("run run-a"), "{err}");
+    assert_ne!(fresh.params().hash()?, stage.params().hash()?);
+    let step = checkpoint::load(&fresh, &mut fresh_opt, &path, "run-a")?.step;
     assert_eq!(step, 3);
     assert_eq!(fresh.params().hash()?, stage.params().hash()?);
     let bits = |ts: &[Tensor]| -> Vec<Vec<u32>> {
@@ -349,7 +363,17 @@ fn checkpoint_round_trips_bit_identically() -> R {
     // The wrong stage's checkpoint is refused with a clear error.
     let stage0 = Stage::new(&cfg, 0, &dev)?;
     let mut opt0 = AdamW::new(&cfg.optimizer, 10, stage0.params())?;
-    let err = checkpoint::load(&stage0, &mut opt0, &path).unwrap_err();
+    let err = checkpoint::load(&stage0, &mut opt0, &path, "run-a").unwrap_err();
     assert!(err.to_string().contains("stage"), "{err}");
+    // A damaged file (one parameter byte flipped) does not load; a text file is not one.
+    let mut bytes = std::fs::read(&path)?;
+    let n = bytes.len();
+    bytes[n - 1] ^= 0x40;
+    let bad = dir.path().join("bad.safetensors");
+    std::fs::write(&bad, &bytes)?;
+    let mut opt1 = AdamW::new(&cfg.optimizer, 10, fresh.params())?;
+    assert!(checkpoint::load(&fresh, &mut opt1, &bad, "run-a").is_err());
+    std::fs::write(&bad, "not a checkpoint")?;
+    assert!(checkpoint::peek(&bad).is_err());
     Ok(())
 }

@@ -705,3 +705,86 @@ async fn rounds_whose_parts_cross_a_slow_link_complete() {
     assert!(failed <= 6, "{failed} attempts timed out");
     wait_trainers(&t, Duration::from_secs(120)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
+    let _g = SERIAL.lock().await;
+    let mut cfg = run_config(200);
+    cfg.stages.count = 2;
+    cfg.validate().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (m, path) = manifest_file(&dir, &cfg);
+    let boot = start(pc(RunSource::File(path), vec![], StageChoice::None)).await;
+    let addr = boot.addrs()[0].clone();
+    let ckpt = |i: usize| dir.path().join(format!("r{i}.ckpt"));
+    let replica = |i: usize, resume: bool| {
+        let mut c = pc(
+            RunSource::Id(m.id.clone()),
+            vec![addr.clone()],
+            StageChoice::Index(i % 2),
+        );
+        c.checkpoint = Some(ckpt(i));
+        c.resume = resume.then(|| ckpt(i));
+        // Nothing is pending at the stops here (the replicas settled first).
+        c.drain_timeout = Duration::from_secs(2);
+        c
+    };
+    let mut peers = Vec::new();
+    for i in 0..4 {
+        peers.push(start(replica(i, false)).await);
+    }
+    let t = trainers_for(&m, &addr, 1, 12).await;
+    wait_trainers(&t, Duration::from_secs(120)).await;
+    t.stop().await.unwrap();
+    let refs: Vec<&Peer> = peers.iter().collect();
+    settle(&refs).await;
+    let saved: Vec<(u64, String)> = peers
+        .iter()
+        .map(|p| {
+            let st = p.service().unwrap().status();
+            (st.params_step, st.params_hash)
+        })
+        .collect();
+    assert!(saved.iter().all(|(s, _)| *s >= 3), "steps {saved:?}");
+    for p in peers {
+        p.stop().await.unwrap();
+    }
+    // Every checkpoint records what its replica had.
+    for (i, (step, hash)) in saved.iter().enumerate() {
+        let info = shoal::model::checkpoint::peek(&ckpt(i)).unwrap();
+        assert_eq!(
+            (info.step, &info.params_hash, &info.run),
+            (*step, hash, &m.id)
+        );
+    }
+    // All back from their checkpoints: the same steps and hashes, nothing downloaded.
+    let mut back = Vec::new();
+    for i in 0..4 {
+        back.push(start(replica(i, true)).await);
+    }
+    for (p, (step, hash)) in back.iter().zip(&saved) {
+        assert!(p.synced().is_none(), "a resumed replica downloaded");
+        let st = p.service().unwrap().status();
+        assert_eq!((st.params_step, &st.params_hash), (*step, hash));
+    }
+    // Training goes on from there.
+    let t = trainers_for(&m, &addr, 1, 8).await;
+    wait_trainers(&t, Duration::from_secs(120)).await;
+    t.stop().await.unwrap();
+    let refs: Vec<&Peer> = back.iter().collect();
+    settle(&refs).await;
+    for (p, (step, _)) in back.iter().zip(&saved) {
+        assert!(p.service().unwrap().status().params_step > *step);
+    }
+    // A checkpoint of another stage is refused by a replica of this one.
+    let mut wrong = replica(0, false);
+    wrong.resume = Some(ckpt(1));
+    let Err(err) = Peer::start(wrong, |_| {}).await else {
+        panic!("a checkpoint of another stage was accepted");
+    };
+    assert!(err.to_string().contains("stage"), "{err}");
+    for p in back {
+        p.stop().await.unwrap();
+    }
+    boot.stop().await.unwrap();
+}

@@ -233,7 +233,7 @@ fn run_in(
         });
     let mut joiner = start("joiner", &joiner_spec, "1")?;
     let sync_started = Instant::now();
-    let (bytes, sync_s, donors) = loop {
+    let (bytes, sync_s, donors, setup_s) = loop {
         read(&mut peers, &mut seen);
         for t in trainers.iter_mut() {
             t.drain();
@@ -243,8 +243,9 @@ fn run_in(
                 bytes,
                 seconds,
                 donors,
+                setup_s,
                 ..
-            } => Some((*bytes as f64, *seconds, *donors)),
+            } => Some((*bytes as f64, *seconds, *donors, *setup_s)),
             Event::SyncRetry { error, .. } => {
                 out(format!("  joiner: download retried: {error}"));
                 None
@@ -266,7 +267,7 @@ fn run_in(
     let down = joiner_spec.link.down.unwrap_or(f64::INFINITY);
     let sync_bound_s = bytes / up.min(down);
     out(format!(
-        "  state download: {:.0} MB from {donors} donors in {sync_s:.1} s, bound {sync_bound_s:.1} s",
+        "  state download: {:.0} MB from {donors} donors in {sync_s:.1} s ({setup_s:.1} s before the first chunk), bound {sync_bound_s:.1} s",
         bytes / 1e6
     ));
     let mut all: Vec<Proc> = peers;

@@ -58,6 +58,8 @@ pub struct SyncReport {
     pub chunks_per_donor: Vec<usize>,
     /// Donors dropped for serving a chunk that failed its hash.
     pub banned: Vec<PeerId>,
+    /// Seconds before the first chunk was asked for (offers and chunk hashes).
+    pub setup_s: f64,
 }
 
 /// Floats per state chunk (1 MiB) unless the run sets `averaging.state_chunk_floats`.
@@ -206,6 +208,7 @@ pub async fn download(
     want_len: usize,
     rng: &mut Rng,
 ) -> Result<(Snapshot, SyncReport), SyncError> {
+    let started = std::time::Instant::now();
     let infos = join_all(
         candidates
             .iter()
@@ -237,6 +240,7 @@ pub async fn download(
         donors.swap(i, rng.below(i as u64 + 1) as usize);
     }
     let hashes = fetch_hashes(client, stage, &info, &donors).await?;
+    let setup_s = started.elapsed().as_secs_f64();
     // Start at a random chunk, so joiners arriving together do not all begin on one.
     let n = info.chunks as usize;
     let offset = rng.below(n.max(1) as u64) as usize;
@@ -288,6 +292,7 @@ pub async fn download(
             donors,
             chunks_per_donor,
             banned,
+            setup_s,
         },
     ))
 }

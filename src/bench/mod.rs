@@ -1,9 +1,10 @@
 //! Benchmarks that print tables and run in one process: `shoal bench codec`,
-//! `shoal bench transfer` and `shoal bench allreduce`. (`shoal bench swarm` starts `shoal`
+//! `shoal bench transfer`, `shoal bench allreduce` and `shoal bench stage`. (`shoal bench swarm` starts `shoal`
 //! processes, so it lives in the binary's harness, not here.)
 //!
 //! A benchmark measures and reports; it never asserts a speed (tests do not fail on timing).
 
 pub mod allreduce;
 pub mod codec;
+pub mod stage;
 pub mod transfer;

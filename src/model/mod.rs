@@ -1,10 +1,12 @@
 //! The decoder (GPT or Llama blocks), cut into pipeline stages, with its optimizer and checkpoints.
 //!
 //! Owns the math: layers ([`layers`]), deterministic parameters ([`params`]), one stage's
-//! forward and backward ([`stage`]), AdamW ([`optim`]) and safetensors checkpoints
-//! ([`checkpoint`]). Knows nothing of the network or of where inputs come from.
+//! forward and backward ([`stage`]), AdamW ([`optim`]), safetensors checkpoints
+//! ([`checkpoint`]), the exported model ([`export`]) and sampling from it ([`generate`]). Knows nothing of the network or of where inputs come from.
 
 pub mod checkpoint;
+pub mod export;
+pub mod generate;
 pub mod layers;
 pub mod llama;
 pub mod optim;

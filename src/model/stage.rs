@@ -191,6 +191,11 @@ impl Stage {
         self.blocks_range
     }
 
+    /// The longest sequence the model takes.
+    pub fn seq_len(&self) -> usize {
+        self.cfg.seq_len
+    }
+
     /// The parameters.
     pub fn params(&self) -> &ParamSet {
         &self.params

@@ -14,6 +14,7 @@
 //! Not here: routing of microbatches across replicas and gradient averaging (trainer and
 //! averaging layers).
 
+pub mod accum;
 pub mod client;
 pub mod frozen;
 pub mod probe;

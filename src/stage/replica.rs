@@ -8,16 +8,17 @@
 //! `params_step` until the averager freezes that step's sum for its round; from then on
 //! they accumulate toward `params_step + 1` (a gradient is at most one step stale).
 
-use super::frozen::EncodedSum;
+pub use super::accum::Accum;
 pub use super::frozen::Frozen;
 use super::sim::SimCompute;
 use crate::config::RunConfig;
+use crate::model::checkpoint::{self, Info};
 use crate::model::optim::FlatSource;
 use crate::model::stage::Kept;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use crate::wire::CodecSpec;
 use candle_core::Tensor;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 /// Forward graphs kept for their backward, unless [`Replica::with_kept_cap`] says otherwise.
@@ -26,9 +27,6 @@ pub const KEPT_CAP: usize = 32;
 /// Stages of at least this many parameters give freed memory back to the OS after each
 /// backward and each step ([`crate::release_memory`]); smaller ones keep it for speed.
 const RELEASE_NUMEL: usize = 1 << 24;
-
-/// Microbatch ids remembered for at-most-once accumulation.
-const SEEN_CAP: usize = 1 << 16;
 
 /// Parameters and optimizer state as flat vectors, for state transfer.
 #[derive(Debug, Clone, PartialEq)]
@@ -391,9 +389,43 @@ impl Replica {
         })
     }
 
-    /// Writes the stage's parameters and optimizer state to `path` atomically.
-    pub fn save(&self, path: &std::path::Path) -> Result<(), ModelError> {
-        crate::model::checkpoint::save(&self.stage, &self.opt, path)
+    /// Writes the stage's parameters and optimizer state to `path` atomically, as a
+    /// checkpoint of run `run` (whose canonical config is `config`).
+    pub fn save(
+        &self,
+        path: &std::path::Path,
+        run: &str,
+        config: &str,
+    ) -> Result<Info, ModelError> {
+        let info = Info {
+            run: run.to_string(),
+            config: config.to_string(),
+            stage: self.stage.index(),
+            step: self.params_step,
+            params_hash: self.params_hash.clone(),
+            samples_applied: self.samples_applied,
+            samples_lost: self.samples_lost,
+        };
+        checkpoint::save(&self.stage, &self.opt, path, &info)?;
+        Ok(info)
+    }
+
+    /// Replaces the state with checkpoint `path` of run `run` (refused if it is of another
+    /// run or stage, has other shapes, or does not hash to what it records); drops
+    /// accumulated gradients.
+    pub fn resume(&mut self, path: &std::path::Path, run: &str) -> Result<Info, ModelError> {
+        let info = checkpoint::load(&self.stage, &mut self.opt, path, run)?;
+        self.params_step = info.step;
+        self.samples_applied = info.samples_applied;
+        self.samples_lost = info.samples_lost;
+        self.params_hash = hash_of(&self.stage)?;
+        self.history = vec![(self.params_step, self.params_hash.clone())];
+        let mut a = self.acc();
+        a.sum = None;
+        a.count = 0;
+        a.frozen = None;
+        a.params_step = info.step;
+        Ok(info)
     }
 
     /// Floats in a snapshot.
@@ -448,116 +480,6 @@ impl Replica {
         };
         self.samples_dropped += dropped;
         Ok(dropped)
-    }
-}
-
-/// Gradients waiting for their step: one running sum per parameter (so memory does not
-/// grow with the microbatches of a step), the sum frozen for the round in progress, and the
-/// microbatch ids already taken (each is accumulated at most once).
-#[derive(Default)]
-pub struct Accum {
-    sum: Option<Vec<f32>>,
-    count: u64,
-    frozen: Option<Frozen>,
-    params_step: u64,
-    seen: HashSet<u64>,
-    seen_order: VecDeque<u64>,
-}
-
-impl Accum {
-    /// Adds a microbatch's gradients (one tensor per parameter, the mean over its
-    /// `samples` samples) times `samples` into the running sum of `numel` floats, in
-    /// place, one tensor at a time.
-    fn add(&mut self, samples: u64, grads: &[Tensor], numel: usize) -> Result<(), ModelError> {
-        let have: usize = grads.iter().map(|t| t.elem_count()).sum();
-        if have != numel {
-            return Err(ModelError::BadInput(format!(
-                "{have} gradient values for {numel} parameters"
-            )));
-        }
-        let sum = self.sum.get_or_insert_with(|| vec![0.0; numel]);
-        let w = samples as f32;
-        let mut at = 0;
-        for t in grads {
-            let g = t
-                .flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1::<f32>()?;
-            for (s, x) in sum[at..at + g.len()].iter_mut().zip(&g) {
-                *s += w * x;
-            }
-            at += g.len();
-        }
-        self.count += samples;
-        Ok(())
-    }
-
-    /// (accum_step, pending samples, frozen samples).
-    pub fn counts(&self) -> (u64, u64, u64) {
-        (
-            self.accum_step(),
-            self.count,
-            self.frozen.as_ref().map_or(0, |f| f.count),
-        )
-    }
-
-    fn accum_step(&self) -> u64 {
-        match &self.frozen {
-            Some(f) if f.step == self.params_step => self.params_step + 1,
-            _ => self.params_step,
-        }
-    }
-
-    /// Whether `mb` is new (and remembers it).
-    fn admit(&mut self, mb: u64) -> bool {
-        if !self.seen.insert(mb) {
-            return false;
-        }
-        self.seen_order.push_back(mb);
-        if self.seen_order.len() > SEEN_CAP {
-            if let Some(old) = self.seen_order.pop_front() {
-                self.seen.remove(&old);
-            }
-        }
-        true
-    }
-
-    /// See [`Replica::freeze`].
-    pub fn freeze(
-        &mut self,
-        step: u64,
-        numel: usize,
-        chunk: usize,
-        codec: &CodecSpec,
-    ) -> Result<Frozen, ModelError> {
-        if step != self.params_step {
-            return Err(ModelError::BadInput(format!(
-                "cannot freeze step {step} at step {}",
-                self.params_step
-            )));
-        }
-        if let Some(f) = &self.frozen {
-            if f.step == step {
-                return Ok(f.clone());
-            }
-        }
-        let sum = self.sum.take().unwrap_or_else(|| vec![0.0; numel]);
-        let encoded = EncodedSum::encode(&sum, chunk, codec);
-        let sum = match encoded {
-            Ok(e) => e,
-            Err(e) => {
-                // Nothing frozen: the sum stays for a later attempt.
-                self.sum = Some(sum);
-                return Err(e);
-            }
-        };
-        let f = Frozen {
-            step,
-            sum: Arc::new(sum),
-            count: std::mem::take(&mut self.count),
-        };
-        self.frozen = Some(f.clone());
-        Ok(f)
     }
 }
 

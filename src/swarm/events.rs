@@ -44,6 +44,37 @@ pub enum Event {
         /// Seconds the download took (retries included).
         #[serde(default)]
         seconds: f64,
+        /// Of which before the first chunk was asked for (the donors' offers, the chunk
+        /// hashes) in the last attempt.
+        #[serde(default)]
+        setup_s: f64,
+    },
+    /// A stage's state was loaded from a checkpoint (`--resume`).
+    Resumed {
+        /// The stage.
+        stage: usize,
+        /// The step it holds.
+        step: u64,
+        /// Its parameters' hash.
+        params_hash: String,
+        /// Whether it is served as it is (else a replica ahead of it was downloaded from).
+        kept: bool,
+    },
+    /// A stage checkpoint was written.
+    Checkpointed {
+        /// The stage.
+        stage: usize,
+        /// The step it holds.
+        step: u64,
+        /// Its parameters' hash.
+        params_hash: String,
+        /// Where.
+        path: String,
+    },
+    /// Something went wrong that the peer survives.
+    Warning {
+        /// What, on one line.
+        message: String,
     },
     /// A state download failed and is tried again.
     SyncRetry {
@@ -158,10 +189,35 @@ impl std::fmt::Display for Event {
                 chunks_per_donor,
                 bytes,
                 seconds,
+                setup_s,
             } => write!(
                 f,
-                "synced stage {stage} at step {step} from {donors} donor(s), chunks {chunks_per_donor:?}, {:.1} MB in {seconds:.1} s",
+                "synced stage {stage} at step {step} from {donors} donor(s), chunks {chunks_per_donor:?}, {:.1} MB in {seconds:.1} s ({setup_s:.1} s before the first chunk)",
                 *bytes as f64 / 1e6
+            ),
+            Event::Resumed {
+                stage,
+                step,
+                params_hash,
+                kept,
+            } => write!(
+                f,
+                "resumed at step {step}: stage {stage}, parameters {params_hash}{}",
+                if *kept {
+                    ""
+                } else {
+                    " (replicas ahead of it: their state is downloaded instead)"
+                }
+            ),
+            Event::Warning { message } => write!(f, "warning: {message}"),
+            Event::Checkpointed {
+                stage,
+                step,
+                params_hash,
+                path,
+            } => write!(
+                f,
+                "checkpoint of stage {stage} at step {step} ({params_hash}) written to {path}"
             ),
             Event::SyncRetry { stage, error } => write!(
                 f,

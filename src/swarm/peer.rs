@@ -88,8 +88,12 @@ pub struct PeerConfig {
     pub trainers: usize,
     /// Their knobs (`index` is derived per loop).
     pub trainer: TrainerConfig,
-    /// Where to write the stage's checkpoint on stop.
+    /// Where to write the stage's checkpoint on stop (and every `checkpoint_every`).
     pub checkpoint: Option<PathBuf>,
+    /// Checkpoint this often while serving, besides on stop.
+    pub checkpoint_every: Option<Duration>,
+    /// Start the stage from this checkpoint (unless replicas ahead of it are live).
+    pub resume: Option<PathBuf>,
     /// Samples/s to announce instead of measuring the stage at start-up.
     pub throughput: Option<f64>,
     /// Mean time between rebalancing checks (each randomised ±50%); `None`: never move.
@@ -134,6 +138,8 @@ impl PeerConfig {
             trainers: 0,
             trainer: TrainerConfig::default(),
             checkpoint: None,
+            checkpoint_every: None,
+            resume: None,
             throughput: None,
             rebalance: None,
             drain_timeout: Duration::from_secs(10),
@@ -437,16 +443,13 @@ impl Peer {
         if let Some(serving) = serving {
             let service = self.ctx.leave(serving).await;
             if let Some(path) = &self.ctx.cfg.checkpoint {
-                let replica = service.replica();
-                let path = path.clone();
-                let r = tokio::task::spawn_blocking(move || replica.blocking_lock().save(&path))
-                    .await
-                    .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")));
-                result = match r {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(e.into()),
-                    Err(e) => Err(e),
-                };
+                result = super::serving::save_checkpoint(
+                    &service,
+                    &self.ctx.manifest,
+                    path,
+                    &self.ctx.emit,
+                )
+                .await;
             }
         }
         self.ctx.net.shutdown().await;

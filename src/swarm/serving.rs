@@ -20,6 +20,50 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Writes `service`'s replica to `path` as a checkpoint of `manifest`'s run, off the async
+/// threads, and reports it.
+pub(super) async fn save_checkpoint(
+    service: &StageService,
+    manifest: &Manifest,
+    path: &std::path::Path,
+    emit: &Observer,
+) -> Result<(), PeerError> {
+    let replica = service.replica();
+    let (to, id, config) = (
+        path.to_path_buf(),
+        manifest.id.clone(),
+        manifest.canonical.clone(),
+    );
+    let info = tokio::task::spawn_blocking(move || replica.blocking_lock().save(&to, &id, &config))
+        .await
+        .map_err(|e| PeerError::Invalid(format!("checkpoint task failed: {e}")))??;
+    emit(Event::Checkpointed {
+        stage: info.stage,
+        step: info.step,
+        params_hash: info.params_hash,
+        path: path.display().to_string(),
+    });
+    Ok(())
+}
+
+/// Checkpoints every `every` (a failure is reported and tried again next time).
+async fn periodic_checkpoints(
+    service: Arc<StageService>,
+    manifest: Manifest,
+    path: std::path::PathBuf,
+    every: Duration,
+    emit: Observer,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        if let Err(e) = save_checkpoint(&service, &manifest, &path, &emit).await {
+            emit(Event::Warning {
+                message: format!("periodic checkpoint failed: {e}"),
+            });
+        }
+    }
+}
+
 /// State downloads tried before a peer gives up joining a stage.
 const SYNC_ATTEMPTS: usize = 3;
 
@@ -140,24 +184,43 @@ impl Ctx {
             manifest.id.clone(),
             manifest.config.codecs.activations,
         );
-        // Replicas that never stepped hold the deterministic init this replica has too:
-        // nothing to download. (Asked now: announcements may be a few seconds old.)
-        let mut fresh = !announced.is_empty()
-            && announced
-                .iter()
-                .all(|a| a.params_hash == replica.params_hash());
-        let mut answered = 0;
+        let resumed = match &cfg.resume {
+            Some(path) => Some(replica.resume(path, &manifest.id)?),
+            None => None,
+        };
+        // Download only from replicas ahead of this one: a fresh replica skips it when
+        // every replica still holds the deterministic init (asked now: announcements may be
+        // a few seconds old), a resumed one when none is past its checkpoint. Replicas at
+        // the same step with other parameters win too (the live swarm's state is the run's).
+        let mine = (replica.params_step(), replica.params_hash().to_string());
+        let (mut answered, mut ahead) = (0, false);
         for p in peers_of(announced) {
-            if !fresh {
+            let Ok(r) = client.info(p, stage_idx).await else {
+                continue;
+            };
+            answered += 1;
+            let hash = r
+                .info
+                .as_deref()
+                .and_then(|i| serde_json::from_str::<Announcement>(i).ok())
+                .map(|a| a.params_hash);
+            if r.step > mine.0 || (r.step == mine.0 && hash.as_deref() != Some(mine.1.as_str())) {
+                ahead = true;
                 break;
             }
-            if let Ok(h) = client.info(p, stage_idx).await {
-                answered += 1;
-                fresh = h.step == 0;
-            }
         }
-        let fresh = fresh && answered > 0;
-        let donors = if fresh {
+        // With no answer at all, a resumed replica serves its checkpoint (everyone else may
+        // be restarting too); a fresh one still tries the announced donors.
+        let keep = !ahead && (answered > 0 || resumed.is_some());
+        if let Some(info) = &resumed {
+            (self.emit)(Event::Resumed {
+                stage: stage_idx,
+                step: info.step,
+                params_hash: info.params_hash.clone(),
+                kept: keep || announced.is_empty(),
+            });
+        }
+        let donors = if keep {
             Vec::new()
         } else {
             peers_of(announced)
@@ -200,6 +263,7 @@ impl Ctx {
                 chunks_per_donor: report.chunks_per_donor.clone(),
                 bytes: 4 * snap.flat.len() as u64,
                 seconds: sync_started.elapsed().as_secs_f64(),
+                setup_s: report.setup_s,
             });
             synced = Some(report);
         }
@@ -236,10 +300,29 @@ impl Ctx {
             last: Arc::clone(&self.last),
         };
         refresh.once().await?;
+        // Periodic checkpoints run beside the announcements and stop with them.
+        let periodic = match (&cfg.checkpoint, cfg.checkpoint_every) {
+            (Some(path), Some(every)) => Some(periodic_checkpoints(
+                Arc::clone(&service),
+                manifest.clone(),
+                path.clone(),
+                every,
+                self.emit.clone(),
+            )),
+            _ => None,
+        };
+        let refresher = tokio::spawn(async move {
+            match periodic {
+                Some(p) => {
+                    tokio::join!(refresh.run(), p);
+                }
+                None => refresh.run().await,
+            }
+        });
         Ok(Serving {
             service,
             averager,
-            refresher: tokio::spawn(refresh.run()),
+            refresher,
             samples_per_s,
             synced,
         })

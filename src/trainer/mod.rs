@@ -54,6 +54,9 @@ pub struct TrainerConfig {
     pub sync_steps: bool,
     /// How replicas are picked.
     pub routing: Routing,
+    /// This trainer's copy of the run's prepared data (the run's manifest names the
+    /// creator's folder); refused unless tokenized with the run's tokenizer.
+    pub data: Option<std::path::PathBuf>,
 }
 
 impl TrainerConfig {
@@ -75,6 +78,7 @@ impl Default for TrainerConfig {
             max_microbatches: None,
             sync_steps: true,
             routing: Routing::Wiring,
+            data: None,
         }
     }
 }
@@ -118,7 +122,24 @@ impl std::fmt::Debug for Trainer {
 impl Trainer {
     /// Starts a trainer loop for the run.
     pub fn spawn(net: NetHandle, m: &Manifest, cfg: TrainerConfig) -> Result<Self, TrainerError> {
-        let source = TokenSource::open(&m.config)?;
+        let source = match &cfg.data {
+            None => TokenSource::open(&m.config)?,
+            Some(dir) => {
+                let mut run = m.config.clone();
+                match &mut run.data {
+                    crate::config::DataConfig::Prepared { path, .. } => *path = dir.clone(),
+                    _ => {
+                        return Err(DataError::Prepare(format!(
+                            "the run does not train on prepared data, so --data {} cannot \
+                             replace its data (make the run with `shoal run new CONFIG --data DIR`)",
+                            dir.display()
+                        ))
+                        .into())
+                    }
+                }
+                TokenSource::open(&run)?
+            }
+        };
         let stages = m.config.stages.count;
         let client = StageClient::new(net, m.id.clone(), m.config.codecs.activations)
             .with_timeout(cfg.call_timeout);

@@ -1,0 +1,101 @@
+//! `shoal export` (stage checkpoints → one model file) and `shoal generate` (sample a
+//! continuation from it).
+
+use anyhow::{bail, Result};
+use clap::Args;
+use shoal::data::tokenizer::Tok;
+use shoal::model::export;
+use shoal::model::generate::{self, Sampling};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// Stage checkpoints of one run, one per stage (from `shoal peer --checkpoint`).
+    #[arg(long, value_name = "FILE", num_args = 1.., required = true)]
+    pub checkpoints: Vec<PathBuf>,
+    /// The model file to write (safetensors, the config in its metadata).
+    #[arg(long, value_name = "FILE", default_value = "model.safetensors")]
+    pub out: PathBuf,
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// A model written by `shoal export`.
+    #[arg(long, value_name = "FILE")]
+    pub model: PathBuf,
+    /// The run's tokenizer.json.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: PathBuf,
+    /// The text to continue.
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: String,
+    /// Tokens to generate, at most.
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    pub tokens: usize,
+    /// Softmax temperature (0: always the most likely token).
+    #[arg(long, default_value_t = 0.8, value_name = "T")]
+    pub temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens up to this probability.
+    #[arg(long, default_value_t = 0.95, value_name = "P")]
+    pub top_p: f64,
+    /// Seed (the same seed gives the same text).
+    #[arg(long, default_value_t = 1, value_name = "S")]
+    pub seed: u64,
+    /// Device: cpu, cuda:N or metal.
+    #[arg(long, default_value = "cpu", value_name = "DEVICE")]
+    pub device: String,
+}
+
+pub fn export(a: ExportArgs) -> Result<ExitCode> {
+    let e = export::from_checkpoints(&a.checkpoints, &a.out)?;
+    println!(
+        "wrote {}: run {}, {} tensors, {:.2}M parameters, stage steps {:?}",
+        a.out.display(),
+        e.run,
+        e.tensors,
+        e.params as f64 / 1e6,
+        e.steps
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature must be 0 or more");
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1]");
+    }
+    let device = shoal::model::parse_device(&a.device).map_err(anyhow::Error::msg)?;
+    let tok = Tok::load(&a.tokenizer)?;
+    let (cfg, model) = export::load_model(&a.model, &device)?;
+    if tok.vocab() > cfg.model.vocab {
+        bail!(
+            "the tokenizer has {} tokens but the model only {}: use the tokenizer the run was trained with",
+            tok.vocab(),
+            cfg.model.vocab
+        );
+    }
+    let prompt = tok.encode(&a.prompt)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens: give some text");
+    }
+    let s = Sampling {
+        tokens: a.tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+        stop: tok.end_of_text(),
+    };
+    let g = generate::generate(&model, &prompt, &s)?;
+    println!("{}{}", a.prompt, tok.decode(&g.tokens)?);
+    eprintln!(
+        "{} tokens in {:.2} s, {:.1} tokens/s ({} prompt tokens, KV cache)",
+        g.tokens.len(),
+        g.seconds,
+        g.tokens_per_s(),
+        prompt.len()
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,225 @@
+//! Getting the model out: every stage's parameters, from stage checkpoints, into one
+//! safetensors file with the run's config in its metadata (`llama` parameters already carry
+//! Hugging Face's names), and loading such a file back as a one-stage model.
+//!
+//! Tensors are copied one at a time from the checkpoints (read by offset when the writer
+//! asks), so exporting never holds a whole stage; the file is written atomically.
+
+use super::checkpoint::{self, Info};
+use super::stage::Stage;
+use super::ModelError;
+use crate::config::RunConfig;
+use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// The `shoal.format` of an exported model.
+pub const MODEL_FORMAT: &str = "shoal-model-v1";
+
+/// A tensor of a checkpoint file, read when the writer asks for it.
+struct FileTensor {
+    path: PathBuf,
+    offset: u64,
+    len: usize,
+    dtype: StDtype,
+    shape: Vec<usize>,
+}
+
+impl View for FileTensor {
+    fn dtype(&self) -> StDtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut buf = vec![0u8; self.len];
+        let read = std::fs::File::open(&self.path).and_then(|mut f| {
+            f.seek(SeekFrom::Start(self.offset))?;
+            f.read_exact(&mut buf)
+        });
+        // A short buffer makes the writer fail: the export is not renamed into place.
+        Cow::Owned(if read.is_ok() { buf } else { Vec::new() })
+    }
+    fn data_len(&self) -> usize {
+        self.len
+    }
+}
+
+/// What an export wrote.
+#[derive(Debug, Clone)]
+pub struct Exported {
+    /// The run.
+    pub run: String,
+    /// Each stage's step.
+    pub steps: Vec<u64>,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Parameters written.
+    pub params: usize,
+}
+
+/// The parameter tensors (`param/<name>`) of checkpoint `path`, by name, as file ranges.
+fn param_tensors(path: &Path) -> Result<Vec<(String, FileTensor)>, ModelError> {
+    let bad = |m: String| ModelError::Checkpoint(format!("{}: {m}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(|e| bad(e.to_string()))?;
+    let n = u64::from_le_bytes(n);
+    let mut header = vec![0u8; n.min(100 << 20) as usize];
+    f.read_exact(&mut header).map_err(|e| bad(e.to_string()))?;
+    let mut buf = n.to_le_bytes().to_vec();
+    buf.extend_from_slice(&header);
+    let (_, meta) = SafeTensors::read_metadata(&buf).map_err(|e| bad(e.to_string()))?;
+    let base = 8 + n;
+    let mut out = Vec::new();
+    for (key, t) in meta.tensors() {
+        let Some(name) = key.strip_prefix("param/") else {
+            continue;
+        };
+        let (start, end) = t.data_offsets;
+        out.push((
+            name.to_string(),
+            FileTensor {
+                path: path.to_path_buf(),
+                offset: base + start as u64,
+                len: end - start,
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// Collects the parameters of every stage from `checkpoints` (one per stage, all of one
+/// run) into `out`.
+pub fn from_checkpoints(checkpoints: &[PathBuf], out: &Path) -> Result<Exported, ModelError> {
+    let infos: Vec<Info> = checkpoints
+        .iter()
+        .map(|p| checkpoint::peek(p))
+        .collect::<Result<_, _>>()?;
+    let first = infos
+        .first()
+        .ok_or_else(|| ModelError::BadInput("no --checkpoints given".into()))?;
+    let cfg = RunConfig::from_toml(&first.config, "the checkpoint's config")
+        .map_err(|e| ModelError::Checkpoint(e.to_string()))?;
+    let count = cfg.stages.count;
+    let mut by_stage: Vec<Option<(&PathBuf, &Info)>> = vec![None; count];
+    for (p, i) in checkpoints.iter().zip(&infos) {
+        if i.run != first.run {
+            return Err(ModelError::Checkpoint(format!(
+                "{} is of run {}, {} of run {}: export one run at a time",
+                p.display(),
+                i.run,
+                checkpoints[0].display(),
+                first.run
+            )));
+        }
+        match by_stage.get_mut(i.stage) {
+            Some(slot @ None) => *slot = Some((p, i)),
+            Some(Some((q, _))) => {
+                return Err(ModelError::Checkpoint(format!(
+                    "{} and {} both hold stage {}: give one checkpoint per stage",
+                    q.display(),
+                    p.display(),
+                    i.stage
+                )))
+            }
+            None => {
+                return Err(ModelError::Checkpoint(format!(
+                    "{} holds stage {} of a {count}-stage run",
+                    p.display(),
+                    i.stage
+                )))
+            }
+        }
+    }
+    let missing: Vec<usize> = (0..count).filter(|&s| by_stage[s].is_none()).collect();
+    if !missing.is_empty() {
+        return Err(ModelError::Checkpoint(format!(
+            "no checkpoint of stage(s) {missing:?} of this {count}-stage run"
+        )));
+    }
+    let mut tensors = Vec::new();
+    let mut steps = Vec::new();
+    for (p, i) in by_stage.into_iter().flatten() {
+        tensors.extend(param_tensors(p)?);
+        steps.push(i.step);
+    }
+    let params = tensors
+        .iter()
+        .map(|(_, t)| t.shape.iter().product::<usize>())
+        .sum();
+    let meta = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("shoal.format".to_string(), MODEL_FORMAT.to_string()),
+        ("shoal.run".to_string(), first.run.clone()),
+        ("shoal.config".to_string(), first.config.clone()),
+        (
+            "shoal.steps".to_string(),
+            steps
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
+    ]);
+    let n = tensors.len();
+    crate::files::write_atomic_with(out, |tmp| {
+        safetensors::serialize_to_file(tensors, Some(meta), tmp)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    })
+    .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", out.display())))?;
+    Ok(Exported {
+        run: first.run.clone(),
+        steps,
+        tensors: n,
+        params,
+    })
+}
+
+/// Loads an exported model as one stage holding every block, on `device`.
+pub fn load_model(path: &Path, device: &Device) -> Result<(RunConfig, Stage), ModelError> {
+    let bad = |m: String| ModelError::Checkpoint(format!("{}: {m}", path.display()));
+    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+    let info = meta.metadata().clone().unwrap_or_default();
+    if info.get("shoal.format").map(String::as_str) != Some(MODEL_FORMAT) {
+        return Err(bad("not a model exported by `shoal export`".into()));
+    }
+    let text = info
+        .get("shoal.config")
+        .ok_or_else(|| bad("no config in its metadata".into()))?;
+    let mut cfg =
+        RunConfig::from_toml(text, "the model's config").map_err(|e| bad(e.to_string()))?;
+    cfg.stages.count = 1;
+    cfg.stages.cuts.clear();
+    let stage = Stage::new(&cfg, 0, device)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    for (name, var) in stage.params().names().iter().zip(stage.params().vars()) {
+        let view = st
+            .tensor(name)
+            .map_err(|_| bad(format!("missing tensor {name}")))?;
+        if view.shape() != var.dims() {
+            return Err(bad(format!(
+                "{name} has shape {:?}, want {:?}",
+                view.shape(),
+                var.dims()
+            )));
+        }
+        let dtype = match view.dtype() {
+            StDtype::F32 => DType::F32,
+            StDtype::F64 => DType::F64,
+            other => return Err(bad(format!("{name} has dtype {other:?}"))),
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), device)?
+            .to_dtype(var.dtype())?;
+        var.set(&t)?;
+    }
+    Ok((cfg, stage))
+}
