@@ -383,6 +383,32 @@ mod tests {
             (train.len() as u64, val.len() as u64),
             (meta.train_tokens, meta.val_tokens)
         );
+        // A run opens it when the tokenizer matches (evaluating on the held-out shard when
+        // it holds a sequence), and refuses it, on one line, when it does not.
+        let mut cfg = crate::config::RunConfig::tiny();
+        cfg.model.vocab = 512;
+        cfg.model.seq_len = 16;
+        cfg.data = crate::config::DataConfig::Prepared {
+            path: out.clone(),
+            tokenizer: Some(meta.tokenizer.clone()),
+        };
+        let src = super::super::TokenSource::open(&cfg).unwrap();
+        assert!(!std::ptr::eq(src.eval_source(), &src), "held-out tokens for eval");
+        cfg.data = crate::config::DataConfig::Prepared {
+            path: out.clone(),
+            tokenizer: Some("0123456789abcdef".into()),
+        };
+        let e = super::super::TokenSource::open(&cfg).err().unwrap().to_string();
+        assert!(e.contains("tokenized with tokenizer") && !e.contains('\n'), "{e}");
+        cfg.model.vocab = meta.vocab - 1;
+        cfg.data = crate::config::DataConfig::Prepared {
+            path: out.clone(),
+            tokenizer: None,
+        };
+        assert!(
+            super::super::TokenSource::open(&cfg).is_err(),
+            "a vocab smaller than the data's"
+        );
         // Both files end with the end-of-text token (a corpus this small is held out from
         // its tail, so the second may be in the validation shard).
         let eot = tok.end_of_text().unwrap();

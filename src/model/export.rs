@@ -71,24 +71,36 @@ fn param_tensors(path: &Path) -> Result<Vec<(String, FileTensor)>, ModelError> {
     let n = u64::from_le_bytes(n);
     let mut header = vec![0u8; n.min(100 << 20) as usize];
     f.read_exact(&mut header).map_err(|e| bad(e.to_string()))?;
-    let mut buf = n.to_le_bytes().to_vec();
-    buf.extend_from_slice(&header);
-    let (_, meta) = SafeTensors::read_metadata(&buf).map_err(|e| bad(e.to_string()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|_| bad("a header that is not JSON".into()))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("a header that is not a JSON object".into()))?;
     let base = 8 + n;
     let mut out = Vec::new();
-    for (key, t) in meta.tensors() {
+    for (key, t) in obj {
         let Some(name) = key.strip_prefix("param/") else {
             continue;
         };
-        let (start, end) = t.data_offsets;
+        let field = |k: &str| t.get(k).cloned().unwrap_or(serde_json::Value::Null);
+        let dtype: StDtype = serde_json::from_value(field("dtype"))
+            .map_err(|_| bad(format!("{key} has no dtype")))?;
+        let shape: Vec<usize> = serde_json::from_value(field("shape"))
+            .map_err(|_| bad(format!("{key} has no shape")))?;
+        let (start, end): (u64, u64) = serde_json::from_value(field("data_offsets"))
+            .map_err(|_| bad(format!("{key} has no data offsets")))?;
+        let len = usize::try_from(end.saturating_sub(start)).unwrap_or(0);
+        if len != shape.iter().product::<usize>() * dtype.bitsize() / 8 {
+            return Err(bad(format!("{key}'s data does not match its shape")));
+        }
         out.push((
             name.to_string(),
             FileTensor {
                 path: path.to_path_buf(),
-                offset: base + start as u64,
-                len: end - start,
-                dtype: t.dtype,
-                shape: t.shape.clone(),
+                offset: base + start,
+                len,
+                dtype,
+                shape,
             },
         ));
     }
