@@ -66,7 +66,7 @@ pub struct SyncReport {
 pub const STATE_CHUNK: usize = 256 << 10;
 
 /// Chunk calls each donor has in flight, so a link's latency does not idle it.
-const PER_DONOR: usize = 4;
+const PER_DONOR: usize = 8;
 
 /// Failed calls in a row after which a donor is given up for this download.
 const DONOR_FAILURES: usize = 3;
