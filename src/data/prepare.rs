@@ -393,13 +393,22 @@ mod tests {
             tokenizer: Some(meta.tokenizer.clone()),
         };
         let src = super::super::TokenSource::open(&cfg).unwrap();
-        assert!(!std::ptr::eq(src.eval_source(), &src), "held-out tokens for eval");
+        assert!(
+            !std::ptr::eq(src.eval_source(), &src),
+            "held-out tokens for eval"
+        );
         cfg.data = crate::config::DataConfig::Prepared {
             path: out.clone(),
             tokenizer: Some("0123456789abcdef".into()),
         };
-        let e = super::super::TokenSource::open(&cfg).err().unwrap().to_string();
-        assert!(e.contains("tokenized with tokenizer") && !e.contains('\n'), "{e}");
+        let e = super::super::TokenSource::open(&cfg)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("tokenized with tokenizer") && !e.contains('\n'),
+            "{e}"
+        );
         cfg.model.vocab = meta.vocab - 1;
         cfg.data = crate::config::DataConfig::Prepared {
             path: out.clone(),
