@@ -757,6 +757,9 @@ async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
             (*step, hash, &m.id)
         );
     }
+    // Kept aside: stage 0's checkpoint as it is now, soon older than the swarm.
+    let old = dir.path().join("old.ckpt");
+    std::fs::copy(ckpt(0), &old).unwrap();
     // All back from their checkpoints: the same steps and hashes, nothing downloaded.
     let mut back = Vec::new();
     for i in 0..4 {
@@ -776,6 +779,22 @@ async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
     for (p, (step, _)) in back.iter().zip(&saved) {
         assert!(p.service().unwrap().status().params_step > *step);
     }
+    // A replica resumed from the older checkpoint downloads the live replicas' state.
+    let mut late = replica(0, false);
+    late.checkpoint = None;
+    late.resume = Some(old.clone());
+    let late = start(late).await;
+    assert!(
+        late.synced().is_some(),
+        "resumed behind the swarm without a download"
+    );
+    let live = back[0].service().unwrap().status();
+    let got = late.service().unwrap().status();
+    assert_eq!(
+        (got.params_step, got.params_hash),
+        (live.params_step, live.params_hash)
+    );
+    late.stop().await.unwrap();
     // A checkpoint of another stage is refused by a replica of this one.
     let mut wrong = replica(0, false);
     wrong.resume = Some(ckpt(1));
