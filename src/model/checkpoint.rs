@@ -160,6 +160,35 @@ pub fn save(stage: &Stage, opt: &AdamW, path: &Path, info: &Info) -> Result<(), 
     .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
 }
 
+/// Tensor `key` of `st` as a tensor of `like`'s device and dtype, refused (through `bad`)
+/// when it is missing, has another shape, or a dtype other than f32/f64.
+pub(crate) fn tensor_like(
+    st: &SafeTensors<'_>,
+    key: &str,
+    like: &Tensor,
+    bad: &dyn Fn(String) -> ModelError,
+) -> Result<Tensor, ModelError> {
+    let view = st
+        .tensor(key)
+        .map_err(|_| bad(format!("missing tensor {key}")))?;
+    if view.shape() != like.dims() {
+        return Err(bad(format!(
+            "{key} has shape {:?}, want {:?}",
+            view.shape(),
+            like.dims()
+        )));
+    }
+    let dtype = match view.dtype() {
+        StDtype::F32 => DType::F32,
+        StDtype::F64 => DType::F64,
+        other => return Err(bad(format!("{key} has dtype {other:?}"))),
+    };
+    Ok(
+        Tensor::from_raw_buffer(view.data(), dtype, view.shape(), like.device())?
+            .to_dtype(like.dtype())?,
+    )
+}
+
 /// Reads a checkpoint's [`Info`] from its header alone.
 pub fn peek(path: &Path) -> Result<Info, ModelError> {
     use std::io::Read;
@@ -205,27 +234,7 @@ pub fn load(stage: &Stage, opt: &mut AdamW, path: &Path, run: &str) -> Result<In
     }
     let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
-    let get = |key: String, like: &Tensor| -> Result<Tensor, ModelError> {
-        let view = st
-            .tensor(&key)
-            .map_err(|_| bad(format!("missing tensor {key}")))?;
-        if view.shape() != like.dims() {
-            return Err(bad(format!(
-                "{key} has shape {:?}, want {:?}",
-                view.shape(),
-                like.dims()
-            )));
-        }
-        let dtype = match view.dtype() {
-            StDtype::F32 => DType::F32,
-            StDtype::F64 => DType::F64,
-            other => return Err(bad(format!("{key} has dtype {other:?}"))),
-        };
-        Ok(
-            Tensor::from_raw_buffer(view.data(), dtype, view.shape(), like.device())?
-                .to_dtype(like.dtype())?,
-        )
-    };
+    let get = |key: String, like: &Tensor| tensor_like(&st, &key, like, &bad);
     let (m0, v0) = opt.moments();
     let (mut m, mut v, mut p) = (Vec::new(), Vec::new(), Vec::new());
     for (i, name) in stage.params().names().iter().enumerate() {

@@ -9,7 +9,7 @@ use super::checkpoint::{self, Info};
 use super::stage::Stage;
 use super::ModelError;
 use crate::config::RunConfig;
-use candle_core::{DType, Device, Tensor};
+use candle_core::Device;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -214,23 +214,7 @@ pub fn load_model(path: &Path, device: &Device) -> Result<(RunConfig, Stage), Mo
     let stage = Stage::new(&cfg, 0, device)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     for (name, var) in stage.params().names().iter().zip(stage.params().vars()) {
-        let view = st
-            .tensor(name)
-            .map_err(|_| bad(format!("missing tensor {name}")))?;
-        if view.shape() != var.dims() {
-            return Err(bad(format!(
-                "{name} has shape {:?}, want {:?}",
-                view.shape(),
-                var.dims()
-            )));
-        }
-        let dtype = match view.dtype() {
-            StDtype::F32 => DType::F32,
-            StDtype::F64 => DType::F64,
-            other => return Err(bad(format!("{name} has dtype {other:?}"))),
-        };
-        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), device)?
-            .to_dtype(var.dtype())?;
+        let t = checkpoint::tensor_like(&st, name, var.as_tensor(), &bad)?;
         var.set(&t)?;
     }
     Ok((cfg, stage))
