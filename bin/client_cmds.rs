@@ -65,25 +65,28 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The manifest of `--run`: its file, or fetched from the DHT by id.
+pub async fn manifest_of(net: &net::NetHandle, source: RunSource) -> Result<Manifest> {
+    Ok(match source {
+        RunSource::Id(id) => {
+            shoal::stage::registry::fetch_manifest(net, &id, Duration::from_secs(5)).await?
+        }
+        RunSource::File(p) => Manifest::load(&p)?,
+    })
+}
+
 pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
     require_bootstrap(&a.net)?;
     let source = RunSource::parse(&a.run);
-    let from_file = match &source {
-        RunSource::File(p) => Some(Manifest::load(p)?),
-        RunSource::Id(_) => None,
-    };
+    if let RunSource::File(p) = &source {
+        Manifest::load(p)?;
+    }
     let (cfg, bootstrap) = client_config(&a.net)?;
     let rt = runtime()?;
     let (m, report) = rt.block_on(async move {
         let handle = net::start(cfg)?;
         shoal::swarm::peer::join(&handle, &bootstrap).await?;
-        let m = match (from_file, source) {
-            (Some(m), _) => m,
-            (None, RunSource::Id(id)) => {
-                shoal::stage::registry::fetch_manifest(&handle, &id, Duration::from_secs(5)).await?
-            }
-            (None, RunSource::File(p)) => Manifest::load(&p)?,
-        };
+        let m = manifest_of(&handle, source).await?;
         let report = shoal::stage::probe::probe(&handle, &m, a.check).await?;
         handle.shutdown().await;
         Ok::<_, anyhow::Error>((m, report))

@@ -1,19 +1,29 @@
-//! `shoal export` (stage checkpoints → one model file) and `shoal generate` (sample a
-//! continuation from it).
+//! `shoal export` (stage checkpoints, or a live swarm → one model file) and
+//! `shoal generate` (sample a continuation from it).
 
+use crate::args::{client_config, require_bootstrap, NetArgs};
+use crate::peer_cmd::runtime;
 use anyhow::{bail, Result};
 use clap::Args;
 use shoal::data::tokenizer::Tok;
 use shoal::model::export;
 use shoal::model::generate::{self, Sampling};
+use shoal::net;
+use shoal::swarm::peer::RunSource;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Args)]
 pub struct ExportArgs {
     /// Stage checkpoints of one run, one per stage (from `shoal peer --checkpoint`).
-    #[arg(long, value_name = "FILE", num_args = 1.., required = true)]
+    #[arg(long, value_name = "FILE", num_args = 1.., required_unless_present = "run", conflicts_with = "run")]
     pub checkpoints: Vec<PathBuf>,
+    /// Export from a live swarm instead: the run id (or its manifest file); needs
+    /// --bootstrap. Every stage's current state is downloaded from its replicas.
+    #[arg(long, value_name = "ID|FILE")]
+    pub run: Option<String>,
+    #[command(flatten)]
+    pub net: NetArgs,
     /// The model file to write (safetensors, the config in its metadata).
     #[arg(long, value_name = "FILE", default_value = "model.safetensors")]
     pub out: PathBuf,
@@ -48,7 +58,10 @@ pub struct GenerateArgs {
 }
 
 pub fn export(a: ExportArgs) -> Result<ExitCode> {
-    let e = export::from_checkpoints(&a.checkpoints, &a.out)?;
+    let e = match &a.run {
+        None => export::from_checkpoints(&a.checkpoints, &a.out)?,
+        Some(run) => from_swarm(&a, run)?,
+    };
     println!(
         "wrote {}: run {}, {} tensors, {:.2}M parameters, stage steps {:?}",
         a.out.display(),
@@ -58,6 +71,25 @@ pub fn export(a: ExportArgs) -> Result<ExitCode> {
         e.steps
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// `shoal export --run`: every stage's state from the live swarm.
+fn from_swarm(a: &ExportArgs, run: &str) -> Result<export::Exported> {
+    require_bootstrap(&a.net)?;
+    let source = RunSource::parse(run);
+    let (cfg, bootstrap) = client_config(&a.net)?;
+    let out = a.out.clone();
+    runtime()?.block_on(async move {
+        let handle = net::start(cfg)?;
+        shoal::swarm::peer::join(&handle, &bootstrap).await?;
+        let m = crate::client_cmds::manifest_of(&handle, source).await?;
+        let e = shoal::swarm::export::from_swarm(&handle, &m, &out, |s, step, mb| {
+            eprintln!("stage {s}: step {step}, {mb:.1} MB of state downloaded");
+        })
+        .await;
+        handle.shutdown().await;
+        Ok(e?)
+    })
 }
 
 pub fn generate(a: GenerateArgs) -> Result<ExitCode> {

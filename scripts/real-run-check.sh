@@ -5,8 +5,9 @@
 # `shoal data prepare` with TOKENIZER); every process is stopped (each replica writes its
 # checkpoint) and restarted with --resume; each replica must report that it resumed at the
 # step and parameter hash it saved ("resumed at step N"); training goes on for a few more
-# steps; then every peer stops again and OUT_DIR/model.safetensors is exported from one
-# checkpoint per stage. Exits non-zero, with one line saying why, when anything fails.
+# steps; the trainer stops and OUT_DIR/live.safetensors is exported from the live swarm
+# (`shoal export --run`); then every peer stops again, OUT_DIR/model.safetensors is
+# exported from one checkpoint per stage, and the two files must be identical. Exits non-zero, with one line saying why, when anything fails.
 # Environment: SHOAL (default target/release/shoal), STEPS (default 6: averaging rounds
 # before the stop).
 set -euo pipefail
@@ -158,6 +159,12 @@ for n in "${NAMES[@]}"; do
 done
 before=$(for n in "${NAMES[@]}"; do echo "${SAVED[$n]%% *}"; done | sort -n | head -1)
 train_until 2 2
+kill -TERM "$TRAINER" 2>/dev/null || true
+wait "$TRAINER" 2>/dev/null || true
+sleep 2
+"$SHOAL" export --run "$(cat "$W/run.id")" --bootstrap "$BOOT" --out "$OUT/live.safetensors" >"$W/live.log" 2>&1 \
+  || fail "export from the live swarm: $(tail -1 "$W/live.log")"
+cat "$W/live.log"
 stop_all 2
 after=$(for n in "${NAMES[@]}"; do s=$(saved "$n" 2); echo "${s%% *}"; done | sort -n | head -1)
 [ "$after" -gt "$before" ] || fail "training did not go on after the restart (step $before, then $after)"
@@ -165,3 +172,16 @@ echo "training went on after the restart: step $before -> $after"
 "$SHOAL" export --checkpoints "$W/s0a.ckpt" "$W/s1a.ckpt" --out "$OUT/model.safetensors" >"$W/export.log" 2>&1 \
   || fail "export: $(tail -1 "$W/export.log")"
 cat "$W/export.log"
+# Same tensors, same bytes, same metadata (the metadata's key order is not fixed).
+python3 - "$OUT/live.safetensors" "$OUT/model.safetensors" <<'PY' || fail "the live export differs from the export of the checkpoints the replicas wrote when stopped"
+import json, struct, sys
+def load(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    meta = h.pop("__metadata__", {})
+    return meta, {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in h.items()}
+a, b = load(sys.argv[1]), load(sys.argv[2])
+sys.exit(0 if a == b and a[1] else 1)
+PY
+echo "the live export equals the export of the stopped replicas' checkpoints"

@@ -802,8 +802,41 @@ async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
         panic!("a checkpoint of another stage was accepted");
     };
     assert!(err.to_string().contains("stage"), "{err}");
+    // Exported from the live swarm (through the bootstrap peer's network), the model holds
+    // what the replicas hold: the same tensors as the export of the checkpoints they write
+    // when they stop.
+    let live = dir.path().join("live.safetensors");
+    let e = shoal::swarm::export::from_swarm(boot.net(), &m, &live, |_, _, _| {})
+        .await
+        .unwrap();
+    let steps: Vec<u64> = (0..2)
+        .map(|i| back[i].service().unwrap().status().params_step)
+        .collect();
+    assert_eq!(e.steps, steps);
     for p in back {
         p.stop().await.unwrap();
     }
+    let stored = dir.path().join("stored.safetensors");
+    shoal::model::export::from_checkpoints(&[ckpt(0), ckpt(1)], &stored).unwrap();
+    let (a, b) = (
+        std::fs::read(&live).unwrap(),
+        std::fs::read(&stored).unwrap(),
+    );
+    let (a, b) = (
+        safetensors::SafeTensors::deserialize(&a).unwrap(),
+        safetensors::SafeTensors::deserialize(&b).unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    assert!(a.len() > 0);
+    for (name, t) in a.tensors() {
+        assert_eq!(t.data(), b.tensor(&name).unwrap().data(), "{name}");
+    }
+    // Nothing but the model is left beside it.
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".part"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     boot.stop().await.unwrap();
 }

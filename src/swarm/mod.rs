@@ -3,8 +3,10 @@
 //!
 //! - [`peer`]: start-up (run, stage choice, trainers), stop, kill.
 //! - `serving`: one stage served (build, sync, announce, leave) and the rebalancer.
+//! - [`export`]: every stage's state from a live swarm into one model file.
 //! - [`events`]: what a peer reports, as typed values (the `--events` JSON-lines stream).
 
 pub mod events;
+pub mod export;
 pub mod peer;
 mod serving;

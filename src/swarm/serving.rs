@@ -94,7 +94,7 @@ pub(super) struct Ctx {
     pub(super) departed: Mutex<Vec<(usize, ReplicaStatus)>>,
 }
 
-pub(super) fn peers_of(anns: &[Announcement]) -> Vec<PeerId> {
+pub(crate) fn peers_of(anns: &[Announcement]) -> Vec<PeerId> {
     anns.iter().filter_map(|a| a.peer.parse().ok()).collect()
 }
 
