@@ -827,7 +827,7 @@ async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
         safetensors::SafeTensors::deserialize(&b).unwrap(),
     );
     assert_eq!(a.len(), b.len());
-    assert!(a.len() > 0);
+    assert!(!a.is_empty());
     for (name, t) in a.tensors() {
         assert_eq!(t.data(), b.tensor(&name).unwrap().data(), "{name}");
     }
