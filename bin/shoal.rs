@@ -331,7 +331,33 @@ fn summary(cfg: &RunConfig, r: &LocalReport) -> String {
     s
 }
 
-fn train(cfg: &RunConfig, opts: &LocalOptions) -> Result<LocalReport> {
+/// `--events` of `train --local`: one JSON line per step (`step`) and one at the end
+/// (`done`: train loss as the mean of the last 20 steps, eval loss, tokens/s).
+struct LocalEvents(Option<std::io::LineWriter<std::fs::File>>);
+
+impl LocalEvents {
+    fn new(a: &args::EventsArgs) -> Result<Self> {
+        Ok(Self(match &a.events {
+            None => None,
+            Some(p) if p.as_os_str() == "-" => {
+                bail!("train --local writes its events to a file: give --events FILE")
+            }
+            Some(p) => Some(std::io::LineWriter::new(
+                std::fs::File::create(p)
+                    .with_context(|| format!("cannot write the events to {}", p.display()))?,
+            )),
+        }))
+    }
+
+    fn write(&mut self, v: serde_json::Value) {
+        if let Some(w) = &mut self.0 {
+            // A reader that went away must not stop training.
+            let _ = writeln!(w, "{v}");
+        }
+    }
+}
+
+fn train(cfg: &RunConfig, opts: &LocalOptions, events: &mut LocalEvents) -> Result<LocalReport> {
     let steps = opts.steps.unwrap_or(cfg.training.steps);
     if let Some(r) = &opts.resume {
         println!(
@@ -344,7 +370,18 @@ fn train(cfg: &RunConfig, opts: &LocalOptions) -> Result<LocalReport> {
         cfg.stages.count, cfg.model.n_layers, cfg.model.d_model, opts.device, cfg.codecs.activations
     );
     let printer = ProgressPrinter::new(steps);
-    let report = shoal::train::train_local(cfg, opts, &mut |p| printer.show(p))?;
+    let report = shoal::train::train_local(cfg, opts, &mut |p| {
+        printer.show(p);
+        events.write(serde_json::json!({
+            "event": "step", "step": p.step, "loss": p.loss, "lr": p.lr,
+            "tokens_per_s": p.tokens_per_s,
+        }));
+    })?;
+    events.write(serde_json::json!({
+        "event": "done", "steps": report.steps, "train_loss": report.tail_loss(20),
+        "eval_loss": report.eval_loss, "tokens_per_s": report.tokens_per_s,
+        "seconds": report.seconds,
+    }));
     println!("{}", summary(cfg, &report));
     Ok(report)
 }
@@ -369,7 +406,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 Some(s) if s.is_finite() && s >= 1.0 => Some(std::time::Duration::from_secs_f64(s)),
                 Some(s) => bail!("--checkpoint-every must be at least 1 second, not {s}"),
             };
-            let report = train(&cfg, &opts)?;
+            let mut events = LocalEvents::new(&a.swarm.events)?;
+            let report = train(&cfg, &opts, &mut events)?;
             if let Some(path) = &opts.checkpoint {
                 println!(
                     "checkpoints at step {} written to {}",
@@ -390,7 +428,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut cfg = RunConfig::tiny();
             let opts = apply_common(&mut cfg, &a.common)?;
             println!("shoal demo: the built-in tiny config on the built-in Markov corpus");
-            let report = train(&cfg, &opts)?;
+            let report = train(&cfg, &opts, &mut LocalEvents(None))?;
             match cfg.training.target_loss {
                 Some(t) if report.eval_loss > t => {
                     println!(

@@ -6,7 +6,7 @@
 
 mod model;
 
-pub use model::{Family, ModelConfig};
+pub use model::{Family, InitScheme, ModelConfig};
 
 use crate::wire::CodecSpec;
 use serde::{Deserialize, Serialize};

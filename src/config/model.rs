@@ -24,6 +24,21 @@ impl Family {
     }
 }
 
+/// How parameters start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InitScheme {
+    /// Scaled by width (PyTorch's default variance): weights N(0, 1/(3·fan_in)), token and
+    /// position embeddings N(0, 1) (a tied embedding is the head's, so N(0, 1/(3·d))). At
+    /// GPT-2 small's width this is GPT-2's 0.02; narrower models start larger and train
+    /// markedly better (scripts/parity.sh, BENCHMARKS.md).
+    #[default]
+    FanIn,
+    /// GPT-2's: every weight and the token embedding N(0, 0.02²), the residual projections
+    /// scaled by 1/√(2·n_layers), positions N(0, 0.01²).
+    Gpt2,
+}
+
 /// The decoder's shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,6 +46,9 @@ pub struct ModelConfig {
     /// `gpt` (the default) or `llama`.
     #[serde(default, skip_serializing_if = "Family::is_gpt")]
     pub family: Family,
+    /// `fan_in` (the default) or `gpt2`: see [`InitScheme`].
+    #[serde(default)]
+    pub init: InitScheme,
     /// Vocabulary size (token ids are below it).
     pub vocab: usize,
     /// Width of the residual stream.
@@ -73,6 +91,7 @@ impl Default for ModelConfig {
     fn default() -> Self {
         Self {
             family: Family::Gpt,
+            init: InitScheme::FanIn,
             vocab: 16,
             d_model: 64,
             n_layers: 4,

@@ -8,13 +8,24 @@
 
 use super::llama::{LlamaBlock, Rope};
 use super::params::{Init, ParamSet};
-use crate::config::{Family, ModelConfig};
+use crate::config::{Family, InitScheme, ModelConfig};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Linear;
 
-/// Builds layers whose parameters go into a [`ParamSet`].
+/// What a weight does, which sets its initial scale (see [`InitScheme`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A projection into or inside a block, or the head.
+    Plain,
+    /// A projection back into the residual stream (attention output, MLP down).
+    Residual,
+}
+
+/// Builds layers whose parameters go into a [`ParamSet`], initialised by `scheme`.
 pub(crate) struct Builder<'a> {
     pub params: &'a mut ParamSet,
+    pub scheme: InitScheme,
+    pub n_layers: usize,
 }
 
 impl Builder<'_> {
@@ -22,15 +33,25 @@ impl Builder<'_> {
         self.params.add(name, shape, init, decay)
     }
 
-    /// A linear layer `in → out` with weight N(0, std²) and an optional zero bias.
+    /// The standard deviation of a weight with `fan_in` inputs.
+    pub fn weight_std(&self, fan_in: usize, role: Role) -> f64 {
+        match (self.scheme, role) {
+            (InitScheme::FanIn, _) => (3.0 * fan_in.max(1) as f64).sqrt().recip(),
+            (InitScheme::Gpt2, Role::Plain) => 0.02,
+            (InitScheme::Gpt2, Role::Residual) => 0.02 / (2.0 * self.n_layers.max(1) as f64).sqrt(),
+        }
+    }
+
+    /// A linear layer `in → out`, weight initialised for its role, optional zero bias.
     pub fn linear(
         &mut self,
         name: &str,
         inp: usize,
         out: usize,
-        std: f64,
+        role: Role,
         bias: bool,
     ) -> Result<Linear> {
+        let std = self.weight_std(inp, role);
         let w = self.param(
             &format!("{name}.weight"),
             &[out, inp],
@@ -59,8 +80,28 @@ impl Builder<'_> {
         Ok(super::llama::RmsNorm::new(weight, eps))
     }
 
-    /// An embedding table N(0, std²), not decayed.
-    pub fn embedding(&mut self, name: &str, rows: usize, dim: usize, std: f64) -> Result<Tensor> {
+    /// A token embedding table, not decayed; `tied` when it is also the head's weight.
+    pub fn token_embedding(
+        &mut self,
+        name: &str,
+        rows: usize,
+        dim: usize,
+        tied: bool,
+    ) -> Result<Tensor> {
+        let std = match (self.scheme, tied) {
+            (InitScheme::FanIn, false) => 1.0,
+            (_, true) => self.weight_std(dim, Role::Plain),
+            (InitScheme::Gpt2, false) => 0.02,
+        };
+        self.param(name, &[rows, dim], Init::Normal(std), false)
+    }
+
+    /// A learned position table, not decayed.
+    pub fn position_embedding(&mut self, name: &str, rows: usize, dim: usize) -> Result<Tensor> {
+        let std = match self.scheme {
+            InitScheme::FanIn => 1.0,
+            InitScheme::Gpt2 => 0.01,
+        };
         self.param(name, &[rows, dim], Init::Normal(std), false)
     }
 }
@@ -239,12 +280,10 @@ pub struct GptBlock {
 }
 
 impl GptBlock {
-    /// Block `i`'s parameters, named `h.{i}.*`, GPT-2 initialisation (residual projections
-    /// scaled by 1/√(2·n_layers)).
+    /// Block `i`'s parameters, named `h.{i}.*`.
     pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
         let d = cfg.d_model;
-        let std = 0.02;
-        let proj_std = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
+        let (std, proj_std) = (Role::Plain, Role::Residual);
         let p = format!("h.{i}");
         Ok(Self {
             ln1: b.layer_norm(&format!("{p}.ln1"), d)?,

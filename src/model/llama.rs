@@ -6,7 +6,7 @@
 //! ...), and the rotary embedding rotates halves (`rotate_half`) as Hugging Face's does, so an
 //! exported model loads in common tooling as it is.
 
-use super::layers::{attend, with_cache, Builder, Ctx, KvCache};
+use super::layers::{attend, with_cache, Builder, Ctx, KvCache, Role};
 use crate::config::ModelConfig;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Linear;
@@ -142,13 +142,12 @@ pub struct LlamaBlock {
 }
 
 impl LlamaBlock {
-    /// Block `i`'s parameters under Hugging Face's names; N(0, 0.02²) weights, the
-    /// residual projections (o, down) scaled by 1/√(2·n_layers) as GPT-2's.
+    /// Block `i`'s parameters under Hugging Face's names (o and down are the residual
+    /// projections).
     pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
         let (d, hd, f) = (cfg.d_model, cfg.head_dim(), cfg.ffn());
         let (h, kv) = (cfg.n_heads, cfg.kv_heads());
-        let std = 0.02;
-        let proj_std = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
+        let (std, proj_std) = (Role::Plain, Role::Residual);
         let p = format!("model.layers.{i}");
         let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");

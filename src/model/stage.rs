@@ -6,7 +6,7 @@
 //! activations between calls), so `backward(input, ·)` needs only the input and the
 //! upstream gradient or targets.
 
-use super::layers::{causal_mask, Block, Builder, Ctx, KvCache, Norm};
+use super::layers::{causal_mask, Block, Builder, Ctx, KvCache, Norm, Role};
 use super::llama::Rope;
 use super::params::ParamSet;
 use super::ModelError;
@@ -113,15 +113,22 @@ impl Stage {
         let mut params = ParamSet::new(m.seed, device, dtype);
         let mut b = Builder {
             params: &mut params,
+            scheme: m.init,
+            n_layers: m.n_layers,
         };
         let llama = m.family == Family::Llama;
         let embed = match (index, llama) {
             (0, false) => Some(Embed {
-                wte: b.embedding("wte", m.vocab, m.d_model, 0.02)?,
-                wpe: Some(b.embedding("wpe", m.seq_len, m.d_model, 0.01)?),
+                wte: b.token_embedding("wte", m.vocab, m.d_model, false)?,
+                wpe: Some(b.position_embedding("wpe", m.seq_len, m.d_model)?),
             }),
             (0, true) => Some(Embed {
-                wte: b.embedding("model.embed_tokens.weight", m.vocab, m.d_model, 0.02)?,
+                wte: b.token_embedding(
+                    "model.embed_tokens.weight",
+                    m.vocab,
+                    m.d_model,
+                    m.tie_embeddings,
+                )?,
                 wpe: None,
             }),
             _ => None,
@@ -133,13 +140,13 @@ impl Stage {
             (false, _) => None,
             (true, false) => Some(Head {
                 norm: Norm::Layer(b.layer_norm("ln_f", m.d_model)?),
-                lm_head: b.linear("lm_head", m.d_model, m.vocab, 0.02, false)?,
+                lm_head: b.linear("lm_head", m.d_model, m.vocab, Role::Plain, false)?,
             }),
             (true, true) => Some(Head {
                 norm: Norm::Rms(b.rms_norm("model.norm", m.d_model, m.eps())?),
                 lm_head: match (&embed, m.tie_embeddings) {
                     (Some(e), true) => Linear::new(e.wte.clone(), None),
-                    _ => b.linear("lm_head", m.d_model, m.vocab, 0.02, false)?,
+                    _ => b.linear("lm_head", m.d_model, m.vocab, Role::Plain, false)?,
                 },
             }),
         };
