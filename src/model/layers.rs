@@ -9,7 +9,7 @@
 use super::llama::{LlamaBlock, Rope};
 use super::params::{Init, ParamSet};
 use crate::config::{Family, InitScheme, ModelConfig};
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::Linear;
 
 /// What a weight does, which sets its initial scale (see [`InitScheme`]).
@@ -106,7 +106,7 @@ impl Builder<'_> {
     }
 }
 
-/// LayerNorm from primitive ops (mean, variance, affine), ε = 1e-5.
+/// LayerNorm, ε = 1e-5 (fused on the CPU, primitive ops elsewhere: [`super::fused`]).
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Tensor,
@@ -115,11 +115,7 @@ pub struct LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xn = xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
-        xn.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)
+        super::fused::layer_norm(x, &self.weight, &self.bias, 1e-5)
     }
 }
 
@@ -198,10 +194,9 @@ pub(crate) fn attend(
     mask: &Tensor,
     pos: usize,
 ) -> Result<Tensor> {
-    let (t, s, hd) = (q.dim(2)?, k.dim(2)?, q.dim(3)?);
-    let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let att = att.broadcast_add(&mask.narrow(0, pos, t)?.narrow(1, 0, s)?)?;
-    candle_nn::ops::softmax(&att, D::Minus1)?.matmul(v)
+    let hd = q.dim(3)?;
+    let att = q.matmul(&k.t()?)?;
+    super::fused::causal_softmax(&att, 1.0 / (hd as f64).sqrt(), pos, mask)?.matmul(v)
 }
 
 /// Causal multi-head self-attention.
@@ -306,7 +301,7 @@ impl GptBlock {
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?, ctx, cache)?)?;
-        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        let h = super::fused::gelu(&self.fc.forward(&self.ln2.forward(&x)?)?)?;
         x + self.proj.forward(&h)?
     }
 }

@@ -27,9 +27,7 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        x.broadcast_div(&(ms + self.eps)?.sqrt()?)?
-            .broadcast_mul(&self.weight)
+        super::fused::rms_norm(x, &self.weight, self.eps)
     }
 }
 
@@ -179,7 +177,7 @@ impl LlamaBlock {
             .attn
             .forward(&self.input_norm.forward(x)?, ctx, cache)?)?;
         let h = self.post_norm.forward(&x)?;
-        let g = (self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?;
+        let g = super::fused::swiglu(&self.gate.forward(&h)?, &self.up.forward(&h)?)?;
         x + self.down.forward(&g)?
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod checkpoint;
 pub mod export;
+pub mod fused;
 pub mod generate;
 pub mod layers;
 pub mod llama;

@@ -361,7 +361,7 @@ impl Stage {
         }
         let (b, t, v) = logits.dims3()?;
         let flat = logits.reshape((b * t, v))?;
-        Ok(candle_nn::loss::cross_entropy(
+        Ok(super::fused::cross_entropy(
             &flat,
             &targets.flatten_all()?,
         )?)
