@@ -140,6 +140,9 @@ struct CommonArgs {
     /// Number of pipeline stages (default: the config's stages.count).
     #[arg(long, value_name = "S")]
     stages: Option<usize>,
+    /// CPU threads each microbatch is split over, by sequences (default: the cores).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
 }
 
 #[derive(Subcommand)]
@@ -255,10 +258,14 @@ fn apply_common(cfg: &mut RunConfig, c: &CommonArgs) -> Result<LocalOptions> {
     if c.steps == Some(0) {
         bail!("--steps must be at least 1");
     }
+    if c.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
     cfg.validate()?;
     Ok(LocalOptions {
         steps: c.steps,
         device,
+        threads: c.threads.unwrap_or_else(|| LocalOptions::default().threads),
         ..LocalOptions::default()
     })
 }
@@ -532,7 +539,22 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
+/// candle's CPU kernels run on one thread each unless `RAYON_NUM_THREADS` (or
+/// `CANDLE_NUM_THREADS`) says otherwise: at the widths a CPU trains, candle's per-op thread
+/// pool costs more than it gains (2 cores, the parity model: 9.8k tok/s with it, 16k
+/// without), and shoal parallelises itself — a microbatch's sequences over the cores
+/// (`train --local`), stages and replicas over processes.
+fn single_threaded_kernels() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none()
+        && std::env::var_os("CANDLE_NUM_THREADS").is_none()
+    {
+        // Before any other thread exists (the first thing `main` does).
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+}
+
 fn main() -> ExitCode {
+    single_threaded_kernels();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

@@ -35,8 +35,9 @@ SHOAL=target/release/shoal
 TEXT=${1:-}
 if [ -z "$TEXT" ]; then
   TEXT=$W/corpus.txt
-  find /usr/share/doc /usr/share/common-licenses -type f \( -name '*.txt' -o -name 'README*' -o -name 'copyright' \) \
-    ! -name '*.gz' 2>/dev/null | head -400 | xargs cat 2>/dev/null | head -c 4000000 >"$TEXT"
+  # (head closes the pipe early: the SIGPIPE upstream is expected)
+  { find /usr/share/doc /usr/share/common-licenses -type f \( -name '*.txt' -o -name 'README*' -o -name 'copyright' \) \
+    ! -name '*.gz' 2>/dev/null | head -400 | xargs cat 2>/dev/null | head -c 4000000 >"$TEXT"; } || true
 fi
 [ -s "$TEXT" ] || { echo "no text to train on: give a TEXT_FILE" >&2; exit 1; }
 TEXT=$(realpath "$TEXT")
@@ -73,7 +74,7 @@ EOF
 echo "[]" >"$W/rows.json"
 for fam in gpt llama; do
   config "$fam" >"$W/$fam.toml"
-  RAYON_NUM_THREADS=$THREADS "$SHOAL" train --local --config "$W/$fam.toml" --events "$W/$fam.events" >"$W/$fam.log" 2>&1 \
+  "$SHOAL" train --local --config "$W/$fam.toml" --threads "$THREADS" --events "$W/$fam.events" >"$W/$fam.log" 2>&1 \
     || { echo "shoal train failed: $(tail -1 "$W/$fam.log")" >&2; exit 1; }
   "$VENV/bin/python" scripts/parity.py "$W/$fam.toml" --threads "$THREADS" --json "$W/$fam.torch.json" >/dev/null \
     || { echo "the PyTorch reference failed" >&2; exit 1; }

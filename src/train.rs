@@ -57,6 +57,9 @@ pub struct LocalOptions {
     pub checkpoint_every: Option<std::time::Duration>,
     /// Start from the checkpoints written with this path (every stage at one step).
     pub resume: Option<std::path::PathBuf>,
+    /// Threads each microbatch's backward is split over, by sequences (CPU; default: the
+    /// cores available).
+    pub threads: usize,
 }
 
 impl Default for LocalOptions {
@@ -68,6 +71,7 @@ impl Default for LocalOptions {
             checkpoint: None,
             checkpoint_every: None,
             resume: None,
+            threads: std::thread::available_parallelism().map_or(1, usize::from),
         }
     }
 }
@@ -290,7 +294,7 @@ pub fn train_local(
                     None => Upstream::Targets(&y),
                     Some(g) => Upstream::Grad(g),
                 };
-                let out = stage.backward(&acts[i], up)?;
+                let out = stage.backward_par(&acts[i], up, opts.threads)?;
                 loss_sum += out.loss.unwrap_or(0.0);
                 acc[i] = Some(match acc[i].take() {
                     None => out.grads,

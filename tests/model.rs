@@ -271,8 +271,10 @@ fn every_parameter_learns(cfg: RunConfig) -> Result<usize, Box<dyn std::error::E
     let (x, y) = tokens(&cfg, 2, 3, &Device::Cpu);
     let (loss, grads) = staged_grads(&stages, &x, &y);
     let expected = (cfg.model.vocab as f32).ln();
+    // Logits start with a spread of ~√(d/(3·d)) ≈ 0.58 (fan-in init of the head over a
+    // normalised input), which adds ~σ²/2 ≈ 0.17 nats to ln(vocab).
     assert!(
-        (loss - expected).abs() < 0.1,
+        (loss - expected).abs() < 0.4,
         "initial loss {loss} far from ln(vocab) {expected}"
     );
     let total: usize = stages.iter().map(|s| s.params().len()).sum();

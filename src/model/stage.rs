@@ -361,10 +361,7 @@ impl Stage {
         }
         let (b, t, v) = logits.dims3()?;
         let flat = logits.reshape((b * t, v))?;
-        Ok(super::fused::cross_entropy(
-            &flat,
-            &targets.flatten_all()?,
-        )?)
+        Ok(super::fused::cross_entropy(&flat, &targets.flatten_all()?)?)
     }
 
     /// A forward that keeps its autograd graph, so a later [`Stage::backward_kept`] needs
@@ -407,6 +404,98 @@ impl Stage {
     ) -> Result<StageGrads, ModelError> {
         let kept = self.forward_kept(input)?;
         self.backward_kept(kept, upstream)
+    }
+
+    /// [`Stage::backward`] with the microbatch cut into `shards` parts along the batch,
+    /// each on its own thread (CPU only; elsewhere, or for one part, a plain backward).
+    /// Gradients, the loss and the input gradient are those of the whole microbatch, up to
+    /// float rounding: on the last stage each part's (mean) loss and gradients are weighted by
+    /// its share of the batch; elsewhere the upstream gradient is the whole batch's, so the
+    /// parts' parameter gradients add up.
+    pub fn backward_par(
+        &self,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+        shards: usize,
+    ) -> Result<StageGrads, ModelError> {
+        let batch = input.dims().first().copied().unwrap_or(0);
+        let shards = shards.min(batch);
+        if shards <= 1 || !self.device.is_cpu() {
+            return self.backward(input, upstream);
+        }
+        let parts: Vec<(usize, usize)> = (0..shards)
+            .map(|k| {
+                (
+                    k * batch / shards,
+                    (k + 1) * batch / shards - k * batch / shards,
+                )
+            })
+            .collect();
+        let run = |(at, n): (usize, usize)| -> Result<StageGrads, ModelError> {
+            let x = input.narrow(0, at, n)?;
+            match upstream {
+                Upstream::Targets(t) => self.backward(&x, Upstream::Targets(&t.narrow(0, at, n)?)),
+                Upstream::Grad(g) => {
+                    self.backward(&x, Upstream::Grad(&g.narrow(0, at, n)?.contiguous()?))
+                }
+            }
+        };
+        let outs: Vec<Result<StageGrads, ModelError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = parts[1..]
+                .iter()
+                .map(|&p| s.spawn(move || run(p)))
+                .collect();
+            let mut outs = vec![run(parts[0])];
+            for h in handles {
+                outs.push(h.join().unwrap_or_else(|_| {
+                    Err(ModelError::BadInput("a backward thread panicked".into()))
+                }));
+            }
+            outs
+        });
+        let outs = outs.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let last = matches!(upstream, Upstream::Targets(_));
+        let weight = |n: usize| if last { n as f64 / batch as f64 } else { 1.0 };
+        let mut grads: Vec<Tensor> = Vec::with_capacity(self.params.len());
+        let mut loss = None;
+        let mut inputs = Vec::new();
+        for (out, &(_, n)) in outs.into_iter().zip(&parts) {
+            let w = weight(n);
+            let scaled = |t: &Tensor| {
+                if last {
+                    t.affine(w, 0.0)
+                } else {
+                    Ok(t.clone())
+                }
+            };
+            if grads.is_empty() {
+                grads = out
+                    .grads
+                    .iter()
+                    .map(scaled)
+                    .collect::<candle_core::Result<_>>()?;
+            } else {
+                for (acc, g) in grads.iter_mut().zip(&out.grads) {
+                    *acc = (&*acc + scaled(g)?)?;
+                }
+            }
+            if let Some(l) = out.loss {
+                loss = Some(loss.unwrap_or(0.0) + w as f32 * l);
+            }
+            if let Some(g) = out.grad_input {
+                inputs.push(scaled(&g)?);
+            }
+        }
+        let grad_input = if inputs.is_empty() {
+            None
+        } else {
+            Some(Tensor::cat(&inputs, 0)?)
+        };
+        Ok(StageGrads {
+            loss,
+            grad_input,
+            grads,
+        })
     }
 
     fn backward_from(
