@@ -49,7 +49,8 @@ pub struct Replica {
     opt: AdamW,
     params_step: u64,
     accum: Arc<Mutex<Accum>>,
-    kept: std::collections::HashMap<u64, Kept>,
+    /// Kept forwards, with the parameter step each ran at.
+    kept: std::collections::HashMap<u64, (Kept, u64)>,
     kept_order: VecDeque<u64>,
     kept_cap: usize,
     numel: usize,
@@ -59,6 +60,11 @@ pub struct Replica {
     params_hash: String,
     history: Vec<(u64, String)>,
     sim: Option<SimCompute>,
+    /// Kept forwards dropped as too stale and recomputed at the current parameters.
+    stale_recomputed: u64,
+    /// The largest staleness (steps between the parameters a gradient was computed at and
+    /// the step it was accumulated into) seen so far.
+    max_staleness: u64,
 }
 
 impl std::fmt::Debug for Replica {
@@ -110,6 +116,8 @@ impl Replica {
             history: vec![(0, params_hash.clone())],
             params_hash,
             sim: SimCompute::of(cfg, 1.0),
+            stale_recomputed: 0,
+            max_staleness: 0,
         })
     }
 
@@ -213,7 +221,7 @@ impl Replica {
         }
         let kept = self.stage.forward_kept(input)?;
         let out = kept.output().detach();
-        if self.kept.insert(mb, kept).is_none() {
+        if self.kept.insert(mb, (kept, self.params_step)).is_none() {
             self.kept_order.push_back(mb);
         }
         self.keep_within_cap();
@@ -243,7 +251,21 @@ impl Replica {
         let kept = self
             .kept
             .remove(&mb)
-            .filter(|k| k.input_dims() == input.dims());
+            .filter(|(k, _)| k.input_dims() == input.dims());
+        // At most one step stale, by construction: gradients go into step `params_step`
+        // or, while that step's sum is frozen for its round, `params_step + 1`; so a
+        // forward kept from before the last applied update (which the averager may make
+        // two steps stale at any moment, by freezing) is recomputed at the current
+        // parameters instead.
+        let kept = match kept {
+            Some((_, at)) if at < self.params_step => {
+                self.stale_recomputed += 1;
+                None
+            }
+            k => k,
+        };
+        let computed_at = kept.as_ref().map_or(self.params_step, |(_, at)| *at);
+        let kept = kept.map(|(k, _)| k);
         let g = match (kept, &self.sim) {
             (_, Some(sim)) => {
                 let ran = self.kept_order.iter().position(|&m| m == mb);
@@ -263,11 +285,25 @@ impl Replica {
         if !acc.admit(mb) {
             return Ok((g, false));
         }
+        let staleness = acc.accum_step().saturating_sub(computed_at);
+        if staleness > 1 {
+            // Unreachable by the construction above; checked, never accumulated.
+            return Err(ModelError::BadInput(format!(
+                "a gradient of step {computed_at} would go into step {}",
+                acc.accum_step()
+            )));
+        }
         acc.add(n, &grads, numel)?;
         drop(acc);
+        self.max_staleness = self.max_staleness.max(staleness);
         drop(grads);
         self.release_if_large();
         Ok((g, true))
+    }
+
+    /// (kept forwards recomputed as too stale, the largest staleness accumulated so far).
+    pub fn staleness(&self) -> (u64, u64) {
+        (self.stale_recomputed, self.max_staleness)
     }
 
     /// After a gradient-sized free on a large stage, gives freed memory back at once.

@@ -82,3 +82,26 @@ fn a_step_sums_each_microbatch_once_into_one_buffer() -> TestResult {
     );
     Ok(())
 }
+
+#[test]
+fn a_gradient_is_never_more_than_one_step_stale() -> TestResult {
+    let (cfg, mut r) = one_stage()?;
+    let (x, y) = batch(&cfg, 2, 4)?;
+    let zeros = vec![0.0f32; r.stage().params().numel()];
+    // A forward kept at step 0 while step 0's round runs: its gradient goes into step 1,
+    // one step stale, through the kept graph.
+    r.forward(&x, 7)?;
+    r.freeze(0, 1000, &CodecSpec::F32)?;
+    r.backward(&x, Upstream::Targets(&y), 7)?;
+    assert_eq!(r.staleness(), (0, 1));
+    // A forward kept at step 0, backward after step 0 applied and step 1 froze: through
+    // the kept graph it would be two steps stale, so it is recomputed at step 1.
+    r.forward(&x, 8)?;
+    r.apply(0, &zeros.as_slice(), 2, 0)?;
+    r.freeze(1, 1000, &CodecSpec::F32)?;
+    let (g, fresh) = r.backward(&x, Upstream::Targets(&y), 8)?;
+    assert!(fresh && g.loss.is_some());
+    assert_eq!(r.staleness(), (1, 1));
+    assert_eq!(r.accum_step(), 2);
+    Ok(())
+}

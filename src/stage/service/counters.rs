@@ -145,6 +145,10 @@ pub struct ReplicaStatus {
     pub samples_dropped: u64,
     /// Parameter hash (hex).
     pub params_hash: String,
+    /// Kept forwards recomputed because their gradient would have been two steps stale.
+    pub stale_recomputed: u64,
+    /// The largest staleness of an accumulated gradient (0 or 1, by construction).
+    pub max_staleness: u64,
 }
 
 impl ReplicaStatus {
@@ -159,6 +163,8 @@ impl ReplicaStatus {
             samples_lost: r.samples_lost(),
             samples_dropped: r.samples_dropped(),
             params_hash: r.params_hash().to_string(),
+            stale_recomputed: r.staleness().0,
+            max_staleness: r.staleness().1,
         }
     }
 }
