@@ -539,23 +539,30 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-/// candle's CPU kernels run on one thread each unless `RAYON_NUM_THREADS` (or
-/// `CANDLE_NUM_THREADS`) says otherwise: at the widths a CPU trains, candle's per-op thread
-/// pool costs more than it gains (2 cores, the parity model: 9.8k tok/s with it, 16k
-/// without), and shoal parallelises itself — a microbatch's sequences over the cores
-/// (`train --local`), stages and replicas over processes.
-fn single_threaded_kernels() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none()
+/// Local training runs candle's CPU kernels on one thread each unless `RAYON_NUM_THREADS`
+/// (or `CANDLE_NUM_THREADS`) says otherwise: at the widths a CPU trains, candle's per-op
+/// thread pool costs more than it gains (2 cores, the parity model: 9.8k tok/s with it,
+/// 16k without), and `train --local` splits each microbatch's sequences over the cores
+/// itself (`--threads`). A peer's stage still computes a microbatch on one thread, so
+/// peers keep candle's per-op threads.
+fn single_threaded_kernels(cli: &Cli) {
+    let local = match &cli.command {
+        Command::Train(a) => a.local,
+        Command::Demo(a) => a.local,
+        _ => false,
+    };
+    if local
+        && std::env::var_os("RAYON_NUM_THREADS").is_none()
         && std::env::var_os("CANDLE_NUM_THREADS").is_none()
     {
-        // Before any other thread exists (the first thing `main` does).
+        // Before any other thread exists (parsing the command line starts none).
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
 }
 
 fn main() -> ExitCode {
-    single_threaded_kernels();
     let cli = Cli::parse();
+    single_threaded_kernels(&cli);
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
