@@ -13,14 +13,15 @@
 //! The kernels: `pointwise` (GELU, SwiGLU), `norm` (LayerNorm, RMSNorm), `rows` (causal
 //! softmax, cross-entropy).
 
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor, D};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// Rows at or above which a kernel splits its rows over the threads.
 const PAR_ELEMS: usize = 1 << 15;
 
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let CpuStorage::F32(v) = s else {
-        bail!("fused {what}: f32 only")
+/// The contiguous values of a storage of `T`s (e.g. `f32`, `u32`).
+fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
+    let Ok(v) = s.as_slice::<T>() else {
+        bail!("fused {what}: {} only", T::DTYPE.as_str())
     };
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&v[a..b]),
@@ -28,14 +29,12 @@ fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     }
 }
 
+fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    slice(s, l, what)
+}
+
 fn u32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
-    let CpuStorage::U32(v) = s else {
-        bail!("fused {what}: u32 targets only")
-    };
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => bail!("fused {what}: contiguous tensors only"),
-    }
+    slice(s, l, what)
 }
 
 /// Runs `f(first_row, rows_out)` over `out` cut into whole rows of `row` values, on the
@@ -56,6 +55,33 @@ fn par_rows(out: &mut [f32], row: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     });
 }
 
+/// `f(i)` for every `i` below `len`, on the available threads when there is enough work.
+fn par_map(len: usize, f: impl Fn(usize) -> f32 + Sync) -> Vec<f32> {
+    const ROW: usize = 1024;
+    let mut out = vec![0f32; len];
+    par_rows(&mut out, ROW, |r0, part| {
+        for (i, o) in part.iter_mut().enumerate() {
+            *o = f(r0 * ROW + i);
+        }
+    });
+    out
+}
+
+/// Cuts a flat tensor of packed results into consecutive pieces of these shapes (a
+/// backward kernel returns the gradients of all its inputs as one tensor).
+fn unpack(all: &Tensor, shapes: &[&Shape]) -> Result<Vec<Tensor>> {
+    let mut at = 0;
+    shapes
+        .iter()
+        .map(|s| {
+            let n = s.elem_count();
+            let t = all.narrow(0, at, n)?.reshape(*s)?;
+            at += n;
+            Ok(t)
+        })
+        .collect()
+}
+
 mod norm;
 mod pointwise;
 mod rows;
@@ -74,7 +100,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     if fused(x) {
         x.contiguous()?.apply_op1(Gelu)
     } else {
-        x.gelu()
+        primitive::gelu(x)
     }
 }
 
@@ -87,11 +113,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
         });
         return x.contiguous()?.apply_op3(w, b, op);
     }
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let xn = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
-    xn.broadcast_mul(w)?.broadcast_add(b)
+    primitive::layer_norm(x, w, b, eps)
 }
 
 /// RMSNorm over the last dim.
@@ -103,8 +125,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         });
         return x.contiguous()?.apply_op2(w, op);
     }
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+    primitive::rms_norm(x, w, eps)
 }
 
 /// silu(gate) ⊙ up.
@@ -112,7 +133,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if fused(gate) {
         gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
     } else {
-        candle_nn::ops::silu(gate)? * up
+        primitive::swiglu(gate, up)
     }
 }
 
@@ -120,18 +141,16 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// queries at positions `pos..pos+T`; `mask` is the model's `[seq, seq]` additive mask (used
 /// off the fused path).
 pub fn causal_softmax(att: &Tensor, scale: f64, pos: usize, mask: &Tensor) -> Result<Tensor> {
-    let (t, s) = (att.dim(D::Minus2)?, att.dim(D::Minus1)?);
     if fused(att) {
         let op = CausalSoftmax {
             scale: scale as f32,
-            t,
-            s,
+            t: att.dim(D::Minus2)?,
+            s: att.dim(D::Minus1)?,
             pos,
         };
         return att.contiguous()?.apply_op1(op);
     }
-    let att = (att * scale)?.broadcast_add(&mask.narrow(0, pos, t)?.narrow(1, 0, s)?)?;
-    candle_nn::ops::softmax(&att, D::Minus1)
+    primitive::causal_softmax(att, scale, pos, mask)
 }
 
 /// Mean cross-entropy of logits `[N, V]` against targets `[N]`.
@@ -140,7 +159,49 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let t = targets.to_dtype(DType::U32)?.contiguous()?;
         return logits.contiguous()?.apply_op2(&t, CrossEntropy);
     }
-    candle_nn::loss::cross_entropy(logits, targets)
+    primitive::cross_entropy(logits, targets)
+}
+
+/// The same functions from primitive candle ops (each with a backward on every device): the
+/// path off the CPU, and what the tests hold the kernels to.
+mod primitive {
+    use candle_core::{Result, Tensor, D};
+
+    pub(super) fn gelu(x: &Tensor) -> Result<Tensor> {
+        x.gelu()
+    }
+
+    pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let xn = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+        xn.broadcast_mul(w)?.broadcast_add(b)
+    }
+
+    pub(super) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+    }
+
+    pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::silu(gate)? * up
+    }
+
+    pub(super) fn causal_softmax(
+        att: &Tensor,
+        scale: f64,
+        pos: usize,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (t, s) = (att.dim(D::Minus2)?, att.dim(D::Minus1)?);
+        let att = (att * scale)?.broadcast_add(&mask.narrow(0, pos, t)?.narrow(1, 0, s)?)?;
+        candle_nn::ops::softmax(&att, D::Minus1)
+    }
+
+    pub(super) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        candle_nn::loss::cross_entropy(logits, targets)
+    }
 }
 
 #[cfg(test)]

@@ -1,12 +1,12 @@
 //! LayerNorm and RMSNorm over the last dim, and their backward (input, weight and bias
 //! gradients packed in one flat tensor).
 
-use super::{f32s, par_rows};
+use super::{f32s, par_rows, unpack};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// Row statistics of a norm over rows of `d` values: LayerNorm's (mean, 1/σ) or RMSNorm's
 /// (0, 1/rms).
-pub(super) fn row_stats(x: &[f32], eps: f32, centred: bool) -> (f32, f32) {
+fn row_stats(x: &[f32], eps: f32, centred: bool) -> (f32, f32) {
     let d = x.len() as f32;
     let mean = if centred {
         x.iter().sum::<f32>() / d
@@ -18,12 +18,23 @@ pub(super) fn row_stats(x: &[f32], eps: f32, centred: bool) -> (f32, f32) {
 }
 
 /// LayerNorm (`centred`) or RMSNorm over the last dim: `(x − mean)/σ · w (+ b)`.
+#[derive(Clone, Copy)]
 pub(super) struct Norm {
     pub(super) eps: f32,
     pub(super) centred: bool,
 }
 
 impl Norm {
+    /// The gradients of x, w (and b, when centred) for upstream `g`, through [`NormGrad`].
+    fn grads(self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<Vec<Tensor>> {
+        let all = x.apply_op3_no_bwd(w, &g.contiguous()?, &NormGrad(self))?;
+        let mut shapes = vec![x.shape(), w.shape()];
+        if self.centred {
+            shapes.push(w.shape());
+        }
+        unpack(&all, &shapes)
+    }
+
     fn forward(&self, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Vec<f32> {
         let d = w.len();
         let mut y = vec![0f32; x.len()];
@@ -118,21 +129,8 @@ impl CustomOp3 for LayerNormOp {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = w.elem_count();
-        let n = x.elem_count();
-        let all = x.apply_op3_no_bwd(
-            w,
-            &g.contiguous()?,
-            &NormGrad(Norm {
-                eps: self.0.eps,
-                centred: true,
-            }),
-        )?;
-        Ok((
-            Some(all.narrow(0, 0, n)?.reshape(x.shape())?),
-            Some(all.narrow(0, n, d)?),
-            Some(all.narrow(0, n + d, d)?),
-        ))
+        let mut parts = self.0.grads(x, w, g)?.into_iter();
+        Ok((parts.next(), parts.next(), parts.next()))
     }
 }
 
@@ -164,24 +162,13 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (d, n) = (w.elem_count(), x.elem_count());
-        let all = x.apply_op3_no_bwd(
-            w,
-            &g.contiguous()?,
-            &NormGrad(Norm {
-                eps: self.0.eps,
-                centred: false,
-            }),
-        )?;
-        Ok((
-            Some(all.narrow(0, 0, n)?.reshape(x.shape())?),
-            Some(all.narrow(0, n, d)?),
-        ))
+        let mut parts = self.0.grads(x, w, g)?.into_iter();
+        Ok((parts.next(), parts.next()))
     }
 }
 
 /// A norm's backward, packed flat: `[dx, dw, (db)]`.
-pub(super) struct NormGrad(Norm);
+struct NormGrad(Norm);
 
 impl CustomOp3 for NormGrad {
     fn name(&self) -> &'static str {

@@ -1,10 +1,16 @@
 //! Element-wise kernels: the GELU (tanh form, as σ(2u)) and SwiGLU, with their backwards.
 
-use super::{f32s, par_rows};
+use super::{f32s, par_map, unpack};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 const GELU_C: f32 = 0.797_884_6; // √(2/π)
 const GELU_A: f32 = 0.044_715;
+
+/// 0.5·(1 + tanh(u)) for GELU's u = √(2/π)·(v + 0.044715·v³), as σ(2u): one `exp`
+/// instead of glibc's slower `tanhf`.
+fn gelu_gate(v: f32) -> f32 {
+    sigmoid(2.0 * GELU_C * (v + GELU_A * v * v * v))
+}
 
 /// GELU, tanh approximation (candle's `gelu`).
 pub(super) struct Gelu;
@@ -16,14 +22,7 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32s(s, l, "gelu")?;
-        let mut y = vec![0f32; x.len()];
-        par_rows(&mut y, 1024, |r0, out| {
-            let x = &x[r0 * 1024..r0 * 1024 + out.len()];
-            for (o, &v) in out.iter_mut().zip(x) {
-                // 0.5·(1 + tanh(u)) = σ(2u): one `exp` instead of glibc's slower `tanhf`.
-                *o = v * sigmoid(2.0 * GELU_C * (v + GELU_A * v * v * v));
-            }
-        });
+        let y = par_map(x.len(), |i| x[i] * gelu_gate(x[i]));
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
@@ -48,16 +47,12 @@ impl CustomOp2 for GeluGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, g) = (f32s(s1, l1, "gelu")?, f32s(s2, l2, "gelu")?);
-        let mut dx = vec![0f32; x.len()];
-        par_rows(&mut dx, 1024, |r0, out| {
-            let at = r0 * 1024;
-            for (i, o) in out.iter_mut().enumerate() {
-                let v = x[at + i];
-                // With s = σ(2u) = 0.5·(1 + tanh u): 1 − tanh²u = 4·s·(1 − s).
-                let s = sigmoid(2.0 * GELU_C * (v + GELU_A * v * v * v));
-                let du = GELU_C * (1.0 + 3.0 * GELU_A * v * v);
-                *o = g[at + i] * (s + 2.0 * v * s * (1.0 - s) * du);
-            }
+        let dx = par_map(x.len(), |i| {
+            let v = x[i];
+            // With s = σ(2u) = 0.5·(1 + tanh u): 1 − tanh²u = 4·s·(1 − s).
+            let s = gelu_gate(v);
+            let du = GELU_C * (1.0 + 3.0 * GELU_A * v * v);
+            g[i] * (s + 2.0 * v * s * (1.0 - s) * du)
         });
         Ok((CpuStorage::F32(dx), l1.shape().clone()))
     }
@@ -66,7 +61,7 @@ impl CustomOp2 for GeluGrad {
 /// silu(gate) ⊙ up.
 pub(super) struct SwiGlu;
 
-pub(super) fn sigmoid(v: f32) -> f32 {
+fn sigmoid(v: f32) -> f32 {
     1.0 / (1.0 + (-v).exp())
 }
 
@@ -83,14 +78,7 @@ impl CustomOp2 for SwiGlu {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (a, u) = (f32s(s1, l1, "swiglu")?, f32s(s2, l2, "swiglu")?);
-        let mut y = vec![0f32; a.len()];
-        par_rows(&mut y, 1024, |r0, out| {
-            let at = r0 * 1024;
-            for (i, o) in out.iter_mut().enumerate() {
-                let v = a[at + i];
-                *o = v * sigmoid(v) * u[at + i];
-            }
-        });
+        let y = par_map(a.len(), |i| a[i] * sigmoid(a[i]) * u[i]);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -101,12 +89,9 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = a.elem_count();
         let all = a.apply_op3_no_bwd(u, &g.contiguous()?, &SwiGluGrad)?;
-        Ok((
-            Some(all.narrow(0, 0, n)?.reshape(a.shape())?),
-            Some(all.narrow(0, n, n)?.reshape(u.shape())?),
-        ))
+        let mut parts = unpack(&all, &[a.shape(), u.shape()])?.into_iter();
+        Ok((parts.next(), parts.next()))
     }
 }
 

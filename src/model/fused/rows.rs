@@ -3,6 +3,18 @@
 use super::{f32s, par_rows, u32s};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
+/// `out = times · softmax(scale · x)` for one row (`scale` > 0).
+fn softmax_row(x: &[f32], scale: f32, times: f32, out: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
+    let mut sum = 0f32;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = (v * scale - max).exp();
+        sum += *o;
+    }
+    let inv = times / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
+
 /// softmax(scale · x) over the last dim with the causal mask: in rows of `S` keys, the row
 /// of query `q` (its index within each `T` rows, at absolute position `pos + q`) sees keys
 /// `0..=pos + q` only; the rest are 0.
@@ -33,15 +45,7 @@ impl CustomOp1 for CausalSoftmax {
             for (r, yr) in out.chunks_mut(s).enumerate() {
                 let row = r0 + r;
                 let k = self.visible(row);
-                let xr = &x[row * s..row * s + k];
-                let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * self.scale;
-                let mut sum = 0f32;
-                for (o, &v) in yr[..k].iter_mut().zip(xr) {
-                    *o = (v * self.scale - max).exp();
-                    sum += *o;
-                }
-                let inv = 1.0 / sum;
-                yr[..k].iter_mut().for_each(|o| *o *= inv);
+                softmax_row(&x[row * s..row * s + k], self.scale, 1.0, &mut yr[..k]);
             }
         });
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -165,15 +169,7 @@ impl CustomOp2 for CrossEntropyGrad {
         let mut dx = vec![0f32; x.len()];
         par_rows(&mut dx, v, |r0, out| {
             for (r, dr) in out.chunks_mut(v).enumerate() {
-                let row = &x[(r0 + r) * v..(r0 + r + 1) * v];
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a));
-                let mut sum = 0f32;
-                for (o, &a) in dr.iter_mut().zip(row) {
-                    *o = (a - max).exp();
-                    sum += *o;
-                }
-                let inv = k / sum;
-                dr.iter_mut().for_each(|o| *o *= inv);
+                softmax_row(&x[(r0 + r) * v..(r0 + r + 1) * v], 1.0, k, dr);
                 if let Some(o) = dr.get_mut(t[r0 + r] as usize) {
                     *o -= k;
                 }
