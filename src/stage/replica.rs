@@ -262,10 +262,10 @@ impl Replica {
                 self.stale_recomputed += 1;
                 None
             }
-            k => k,
+            k => k.map(|(k, _)| k),
         };
-        let computed_at = kept.as_ref().map_or(self.params_step, |(_, at)| *at);
-        let kept = kept.map(|(k, _)| k);
+        // Kept or recomputed, the gradient is of the current parameters.
+        let computed_at = self.params_step;
         let g = match (kept, &self.sim) {
             (_, Some(sim)) => {
                 let ran = self.kept_order.iter().position(|&m| m == mb);
