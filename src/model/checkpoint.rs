@@ -189,8 +189,9 @@ pub(crate) fn tensor_like(
     )
 }
 
-/// Reads a checkpoint's [`Info`] from its header alone.
-pub fn peek(path: &Path) -> Result<Info, ModelError> {
+/// The JSON header of safetensors file `path` and the file offset its data starts at,
+/// read without the data (a header over 100 MB is refused).
+pub(crate) fn read_header(path: &Path) -> Result<(serde_json::Value, u64), ModelError> {
     use std::io::Read;
     let bad = |m: String| ModelError::Checkpoint(format!("{}: {m}", path.display()));
     let mut f = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
@@ -206,6 +207,12 @@ pub fn peek(path: &Path) -> Result<Info, ModelError> {
         .map_err(|_| bad("not a safetensors file (truncated header)".into()))?;
     let v: serde_json::Value = serde_json::from_slice(&header)
         .map_err(|_| bad("not a safetensors file (header is not JSON)".into()))?;
+    Ok((v, 8 + n))
+}
+
+/// Reads a checkpoint's [`Info`] from its header alone.
+pub fn peek(path: &Path) -> Result<Info, ModelError> {
+    let (v, _) = read_header(path)?;
     let meta: HashMap<String, String> = v
         .get("__metadata__")
         .and_then(|m| serde_json::from_value(m.clone()).ok())

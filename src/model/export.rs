@@ -65,18 +65,10 @@ pub struct Exported {
 /// The parameter tensors (`param/<name>`) of checkpoint `path`, by name, as file ranges.
 fn param_tensors(path: &Path) -> Result<Vec<(String, FileTensor)>, ModelError> {
     let bad = |m: String| ModelError::Checkpoint(format!("{}: {m}", path.display()));
-    let mut f = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n).map_err(|e| bad(e.to_string()))?;
-    let n = u64::from_le_bytes(n);
-    let mut header = vec![0u8; n.min(100 << 20) as usize];
-    f.read_exact(&mut header).map_err(|e| bad(e.to_string()))?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|_| bad("a header that is not JSON".into()))?;
+    let (v, base) = checkpoint::read_header(path)?;
     let obj = v
         .as_object()
         .ok_or_else(|| bad("a header that is not a JSON object".into()))?;
-    let base = 8 + n;
     let mut out = Vec::new();
     for (key, t) in obj {
         let Some(name) = key.strip_prefix("param/") else {
