@@ -83,6 +83,17 @@ async fn trainers(s: &Swarm, n: usize, microbatches: u64) -> Peer {
 }
 
 async fn trainers_for(m: &Manifest, addr: &Multiaddr, n: usize, microbatches: u64) -> Peer {
+    trainers_with(m, addr, n, microbatches, |_| {}).await
+}
+
+/// [`trainers_for`] with the trainer config adjusted by `adjust`.
+async fn trainers_with(
+    m: &Manifest,
+    addr: &Multiaddr,
+    n: usize,
+    microbatches: u64,
+    adjust: impl FnOnce(&mut shoal::trainer::TrainerConfig),
+) -> Peer {
     let mut tc = pc(
         RunSource::Id(m.id.clone()),
         vec![addr.clone()],
@@ -92,6 +103,7 @@ async fn trainers_for(m: &Manifest, addr: &Multiaddr, n: usize, microbatches: u6
     tc.net.dht_server = false;
     tc.trainers = n;
     tc.trainer.max_microbatches = Some(microbatches);
+    adjust(&mut tc.trainer);
     start(tc).await
 }
 
@@ -327,18 +339,11 @@ async fn trainers_that_never_wait_keep_replicas_identical_and_gradients_one_step
     let s = swarm(&dir, &cfg, 2).await;
     // Two trainers, two microbatches in flight each, never waiting for a step: forwards
     // and backwards straddle the rounds, which is where staleness comes from.
-    let mut tc = pc(
-        RunSource::Id(s.m.id.clone()),
-        vec![s.addr.clone()],
-        StageChoice::None,
-    );
-    tc.net.listen.clear();
-    tc.net.dht_server = false;
-    tc.trainers = 2;
-    tc.trainer.max_microbatches = Some(24);
-    tc.trainer.sync_steps = false;
-    tc.trainer.concurrency = 2;
-    let t = start(tc).await;
+    let t = trainers_with(&s.m, &s.addr, 2, 24, |t| {
+        t.sync_steps = false;
+        t.concurrency = 2;
+    })
+    .await;
     wait_trainers(&t, Duration::from_secs(240)).await;
     let refs: Vec<&Peer> = s.peers.iter().collect();
     settle(&refs).await;
