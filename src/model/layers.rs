@@ -278,18 +278,18 @@ impl GptBlock {
     /// Block `i`'s parameters, named `h.{i}.*`.
     pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
         let d = cfg.d_model;
-        let (std, proj_std) = (Role::Plain, Role::Residual);
+        let (plain, residual) = (Role::Plain, Role::Residual);
         let p = format!("h.{i}");
         Ok(Self {
             ln1: b.layer_norm(&format!("{p}.ln1"), d)?,
             attn: Attention {
-                qkv: b.linear(&format!("{p}.attn.qkv"), d, 3 * d, std, true)?,
-                proj: b.linear(&format!("{p}.attn.proj"), d, d, proj_std, true)?,
+                qkv: b.linear(&format!("{p}.attn.qkv"), d, 3 * d, plain, true)?,
+                proj: b.linear(&format!("{p}.attn.proj"), d, d, residual, true)?,
                 n_heads: cfg.n_heads,
             },
             ln2: b.layer_norm(&format!("{p}.ln2"), d)?,
-            fc: b.linear(&format!("{p}.mlp.fc"), d, cfg.ffn(), std, true)?,
-            proj: b.linear(&format!("{p}.mlp.proj"), cfg.ffn(), d, proj_std, true)?,
+            fc: b.linear(&format!("{p}.mlp.fc"), d, cfg.ffn(), plain, true)?,
+            proj: b.linear(&format!("{p}.mlp.proj"), cfg.ffn(), d, residual, true)?,
         })
     }
 

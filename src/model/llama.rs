@@ -145,24 +145,24 @@ impl LlamaBlock {
     pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
         let (d, hd, f) = (cfg.d_model, cfg.head_dim(), cfg.ffn());
         let (h, kv) = (cfg.n_heads, cfg.kv_heads());
-        let (std, proj_std) = (Role::Plain, Role::Residual);
+        let (plain, residual) = (Role::Plain, Role::Residual);
         let p = format!("model.layers.{i}");
         let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");
         Ok(Self {
             input_norm: b.rms_norm(&format!("{p}.input_layernorm"), d, cfg.eps())?,
             attn: Attention {
-                q: b.linear(&format!("{a}.q_proj"), d, h * hd, std, false)?,
-                k: b.linear(&format!("{a}.k_proj"), d, kv * hd, std, false)?,
-                v: b.linear(&format!("{a}.v_proj"), d, kv * hd, std, false)?,
-                o: b.linear(&format!("{a}.o_proj"), h * hd, d, proj_std, false)?,
+                q: b.linear(&format!("{a}.q_proj"), d, h * hd, plain, false)?,
+                k: b.linear(&format!("{a}.k_proj"), d, kv * hd, plain, false)?,
+                v: b.linear(&format!("{a}.v_proj"), d, kv * hd, plain, false)?,
+                o: b.linear(&format!("{a}.o_proj"), h * hd, d, residual, false)?,
                 n_heads: h,
                 n_kv: kv,
             },
             post_norm: b.rms_norm(&format!("{p}.post_attention_layernorm"), d, cfg.eps())?,
-            gate: b.linear(&format!("{m}.gate_proj"), d, f, std, false)?,
-            up: b.linear(&format!("{m}.up_proj"), d, f, std, false)?,
-            down: b.linear(&format!("{m}.down_proj"), f, d, proj_std, false)?,
+            gate: b.linear(&format!("{m}.gate_proj"), d, f, plain, false)?,
+            up: b.linear(&format!("{m}.up_proj"), d, f, plain, false)?,
+            down: b.linear(&format!("{m}.down_proj"), f, d, residual, false)?,
         })
     }
 
