@@ -126,6 +126,10 @@ pub struct PeerArgs {
     /// microbatches are in flight through this peer.
     #[arg(long, default_value_t = KEPT_CAP, value_name = "N")]
     pub keep_forwards: usize,
+    /// Backward through kept forwards of any age, so gradients may be several steps stale
+    /// (benchmarks only: the "no-sync" mode of `shoal bench converge`).
+    #[arg(long, hide = true)]
+    pub unbounded_staleness: bool,
     /// Print the replica's counters every this many milliseconds (0: only on stop), so a
     /// benchmark can take the difference over its measured window.
     #[arg(long, default_value_t = 0, value_name = "MS", hide = true)]
@@ -153,6 +157,10 @@ pub struct SwarmTrainArgs {
     /// Milliseconds between progress reports.
     #[arg(long, default_value_t = 2000, value_name = "MS", hide = true)]
     pub report_ms: u64,
+    /// Stop each loop after it fed this many microbatches (default: when the run reaches
+    /// its last step).
+    #[arg(long, value_name = "N")]
+    pub microbatches: Option<u64>,
     /// Do not wait, after a microbatch, for the step it joined to be applied (more
     /// throughput, gradients up to one step stale).
     #[arg(long)]
@@ -325,6 +333,7 @@ impl TryFrom<&PeerArgs> for PeerConfig {
         cfg.allow_sim = a.allow_sim;
         cfg.sim_slowdown = a.sim_slowdown;
         cfg.kept_forwards = a.keep_forwards;
+        cfg.bound_staleness = !a.unbounded_staleness;
         Ok(cfg)
     }
 }
@@ -352,6 +361,10 @@ pub fn trainer_config(a: &SwarmTrainArgs) -> Result<PeerConfig> {
     cfg.trainer.concurrency = a.concurrency;
     cfg.trainer.index = a.data_index;
     cfg.trainer.sync_steps = !a.no_sync_steps;
+    if a.microbatches == Some(0) {
+        bail!("--microbatches must be at least 1");
+    }
+    cfg.trainer.max_microbatches = a.microbatches;
     cfg.trainer.routing = a.routing.parse().map_err(anyhow::Error::msg)?;
     cfg.trainer.call_timeout = Duration::from_secs_f64(a.call_timeout);
     cfg.trainer.data = a.data.clone();

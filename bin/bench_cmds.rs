@@ -1,9 +1,11 @@
 //! The commands that start many peers or measure: `demo` (the swarm one), `bench
-//! transfer`, `bench allreduce` and `bench swarm`, with their tables.
+//! transfer`, `bench allreduce`, `bench swarm` and `bench converge`, with their tables.
 
+use crate::harness::bench_converge::{self as bc, ConvergeRow};
 use crate::harness::{bench_large, bench_swarm, demo as swarm_demo, scenarios as bs};
 use crate::peer_cmd::runtime;
 use anyhow::{bail, Context, Result};
+use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -306,4 +308,103 @@ pub fn bench_stage(
     } else {
         ExitCode::FAILURE
     })
+}
+
+#[derive(Args)]
+pub struct ConvergeArgs {
+    /// Samples every mode trains.
+    #[arg(long, default_value_t = 9600, value_name = "N")]
+    samples: u64,
+    /// Comma-separated modes: synchronous, no-sync, delayed.
+    #[arg(
+        long,
+        default_value = "synchronous,no-sync,delayed",
+        value_name = "LIST"
+    )]
+    modes: String,
+    /// Microbatches each of the 2 trainers keeps in flight.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    concurrency: usize,
+    /// Every process's emulated link.
+    #[arg(long, default_value = "bw=100mbit,rtt=50ms", value_name = "SPEC")]
+    emulate_link: String,
+    /// Skip the `train --local` reference row.
+    #[arg(long)]
+    no_local: bool,
+    /// Give up on a mode after this many seconds.
+    #[arg(long, default_value_t = 900, value_name = "SECS")]
+    timeout: u64,
+    /// Also write the rows as a JSON array here.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+}
+
+/// `shoal bench converge`.
+pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
+    if a.samples == 0 || a.concurrency == 0 || a.timeout == 0 {
+        bail!("--samples, --concurrency and --timeout must be at least 1");
+    }
+    let modes: Vec<String> = a.modes.split(',').map(|m| m.trim().to_string()).collect();
+    if let Some(m) = modes.iter().find(|m| !bc::MODES.contains(&m.as_str())) {
+        bail!("unknown mode {m:?}; known: {}", bc::MODES.join(", "));
+    }
+    let link = shoal::net::link::LinkSpec::parse(&a.emulate_link)
+        .map_err(|e| anyhow::anyhow!("--emulate-link: {e}"))?;
+    let opts = bc::ConvergeOptions {
+        exe: std::env::current_exe().context("cannot find the shoal binary to start peers")?,
+        samples: a.samples,
+        modes,
+        concurrency: a.concurrency,
+        link,
+        local: !a.no_local,
+        timeout: std::time::Duration::from_secs(a.timeout),
+    };
+    let cfg = bc::converge_config(a.samples);
+    println!(
+        "bench converge: tiny model, 2 stages x 2 replicas, 2 trainers (concurrency {}, {} microbatches of {} each), every process behind {}; steps of at least {} samples at lr {} after warm-up; target loss {}",
+        a.concurrency,
+        bc::microbatches(&cfg, a.samples),
+        cfg.training.batch_size,
+        a.emulate_link,
+        cfg.target_batch_size(),
+        cfg.optimizer.lr,
+        cfg.training.target_loss.unwrap_or(f64::NAN)
+    );
+    let rt = runtime()?;
+    let mut rows: Vec<ConvergeRow> = Vec::new();
+    for mode in &opts.modes {
+        println!("running {mode}");
+        let row = rt.block_on(bc::run_mode(mode, &opts, &|l| println!("{l}")))?;
+        println!("{}", row.line());
+        rows.push(row);
+    }
+    if opts.local {
+        println!("running local (train --local, same run)");
+        let row = bc::run_local(&opts)?;
+        println!("{}", row.line());
+        rows.push(row);
+    }
+    println!();
+    println!("{}", ConvergeRow::HEADER);
+    for r in &rows {
+        println!("{}", r.line());
+    }
+    let find = |m: &str| rows.iter().find(|r| r.mode == m);
+    if let (Some(s), Some(d)) = (find("synchronous"), find("delayed")) {
+        let time = match (d.seconds_to_target, s.seconds_to_target) {
+            (Some(d), Some(s)) => format!("{:.2}x the synchronous time to target", d / s),
+            (None, _) => "never reached the target".into(),
+            (Some(_), None) => "reached the target; synchronous did not".into(),
+        };
+        println!(
+            "delayed: eval loss {:.3}x synchronous at equal samples; {time}",
+            d.eval_loss / s.eval_loss
+        );
+    }
+    if let Some(path) = a.json {
+        let text = serde_json::to_string_pretty(&rows)?;
+        shoal::files::write_atomic(&path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

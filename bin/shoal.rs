@@ -217,6 +217,9 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
+    /// Time to a target loss: synchronous, no-sync and delayed steps on a swarm of real
+    /// tiny stages behind emulated links, and `train --local` for reference.
+    Converge(bench_cmds::ConvergeArgs),
     /// A local swarm (separate processes, emulated home links) against its physical bound.
     Swarm {
         /// Comma-separated: homogeneous, heterogeneous, compression, churn, real, or all.
@@ -478,6 +481,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 },
         } => bench_cmds::bench_allreduce(peers, floats, &codec, emulate_link.as_deref(), reps),
         Command::Bench {
+            which: BenchCommand::Converge(a),
+        } => bench_cmds::bench_converge(a),
+        Command::Bench {
             which:
                 BenchCommand::Swarm {
                     scenario,
@@ -549,6 +555,10 @@ fn single_threaded_kernels(cli: &Cli) {
     let local = match &cli.command {
         Command::Train(a) => a.local,
         Command::Demo(a) => a.local,
+        // Its reference row is a local run; its peers are processes of their own.
+        Command::Bench {
+            which: BenchCommand::Converge(_),
+        } => true,
         _ => false,
     };
     if local

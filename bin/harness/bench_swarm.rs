@@ -170,25 +170,36 @@ pub fn run_setup(
     in_scratch(setup, |dir| run_in(setup, opts, dir, out))
 }
 
-/// Runs `f` in a fresh scratch folder for `setup`, removed afterwards (kept, with the
-/// processes' logs, when `SHOAL_BENCH_KEEP` is set).
+/// Runs `f` in a fresh scratch folder for `setup` ([`in_scratch_dir`], [`leave_scratch`]).
 pub(super) fn in_scratch<T>(
     setup: &Setup,
     f: impl FnOnce(&Path) -> Result<T, HarnessError>,
 ) -> Result<T, HarnessError> {
+    let dir = in_scratch_dir(&setup.label)?;
+    let r = f(&dir);
+    leave_scratch(&dir);
+    r
+}
+
+/// A fresh scratch folder for a benchmark's processes, named after `label`.
+pub(super) fn in_scratch_dir(label: &str) -> Result<std::path::PathBuf, HarnessError> {
     let dir = std::env::temp_dir().join(format!(
         "shoal-bench-{}-{}",
         std::process::id(),
-        setup.label.replace('/', "-")
+        label.replace('/', "-")
     ));
     std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
-    let r = f(&dir);
+    Ok(dir)
+}
+
+/// Removes a scratch folder (kept, with the processes' logs, when `SHOAL_BENCH_KEEP` is
+/// set).
+pub(super) fn leave_scratch(dir: &Path) {
     if std::env::var_os("SHOAL_BENCH_KEEP").is_some() {
         eprintln!("scratch folder kept: {}", dir.display());
     } else {
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir);
     }
-    r
 }
 
 /// Writes `setup`'s manifest into `dir` and starts its bootstrap peer: the manifest, the

@@ -7,12 +7,10 @@
 //! state. The demo prints live progress, then evaluates the swarm's model on held-out
 //! batches and compares replica parameter hashes.
 
-use super::{peer_args, spawn_bootstrap, stop_all, HarnessError, Proc};
-use libp2p::Multiaddr;
+use super::{client, peer_args, replica_hashes, spawn_bootstrap, stop_all, HarnessError, Proc};
 use shoal::config::RunConfig;
 use shoal::data::TokenSource;
-use shoal::dht::{Announcement, Manifest};
-use shoal::net::{self, NetConfig, NetHandle};
+use shoal::dht::Manifest;
 use shoal::stage::{probe, registry};
 use shoal::swarm::events::Event;
 use shoal::trainer::report::Progress;
@@ -72,15 +70,6 @@ pub fn demo_config(stages: usize, steps: u64) -> RunConfig {
     cfg
 }
 
-async fn swarm_hashes(
-    net: &NetHandle,
-    m: &Manifest,
-) -> Result<Vec<Vec<Announcement>>, HarnessError> {
-    registry::read_run(net, &m.id, m.config.stages.count)
-        .await
-        .map_err(|e| HarnessError::Swarm(e.to_string()))
-}
-
 /// Runs the demo; `out` receives every line to print.
 pub async fn run(
     cfg: &DemoConfig,
@@ -129,15 +118,7 @@ async fn run_in(
         p.wait_ready(Duration::from_secs(60))?;
     }
     out(format!("{} stage peers ready", peers.len()));
-    let mut client_cfg = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), Vec::new());
-    client_cfg.dht_server = false;
-    let net = net::start(client_cfg).map_err(|e| HarnessError::Swarm(e.to_string()))?;
-    let baddr_m: Multiaddr = baddr
-        .parse()
-        .map_err(|e| HarnessError::Swarm(format!("{e}")))?;
-    net.dial(baddr_m)
-        .await
-        .map_err(|e| HarnessError::Swarm(e.to_string()))?;
+    let net = client(&baddr).await?;
     let started = Instant::now();
     let mut trainers = Vec::new();
     for t in 0..cfg.trainers {
@@ -186,7 +167,9 @@ async fn run_in(
             next_print = Instant::now() + Duration::from_secs(5);
             let total = Progress::sum(&last);
             let secs = started.elapsed().as_secs_f64();
-            let per_stage = swarm_hashes(&net, &m).await.unwrap_or_default();
+            let per_stage = registry::read_run(&net, &m.id, m.config.stages.count)
+                .await
+                .unwrap_or_default();
             let counts: Vec<String> = per_stage.iter().map(|v| v.len().to_string()).collect();
             out(format!(
                 "[{secs:>5.0}s] step {:>4}/{}  loss {:.4}  samples/s {:>6.1}  wire {:.1} MB (x{:.2} smaller than f32)  peers per stage [{}]",
@@ -211,18 +194,7 @@ async fn run_in(
     let eval_loss = probe::evaluate(&net, &m, 8)
         .await
         .map_err(|e| HarnessError::Swarm(e.to_string()))?;
-    let per_stage = swarm_hashes(&net, &m).await?;
-    let hashes: Vec<Vec<(String, u64, String)>> = per_stage
-        .iter()
-        .map(|v| {
-            v.iter()
-                .map(|a| (a.peer.clone(), a.step, a.params_hash.clone()))
-                .collect()
-        })
-        .collect();
-    let identical = hashes
-        .iter()
-        .all(|v| v.windows(2).all(|w| w[0].1 == w[1].1 && w[0].2 == w[1].2));
+    let (hashes, identical) = replica_hashes(&net, &m).await?;
     let entropy = TokenSource::open(&run_cfg)
         .ok()
         .and_then(|s| s.entropy_rate());
@@ -244,7 +216,7 @@ async fn run_in(
 }
 
 /// Takes each trainer's latest totals from the events it reported since the last call.
-fn latest_progress(trainers: &mut [Proc], last: &mut [Progress]) {
+pub(super) fn latest_progress(trainers: &mut [Proc], last: &mut [Progress]) {
     for (t, l) in trainers.iter_mut().zip(last.iter_mut()) {
         for e in t.drain() {
             match e {

@@ -6,12 +6,17 @@
 //! - [`demo`]: `shoal demo`.
 //! - [`bench_swarm`] and [`scenarios`]: `shoal bench swarm`; [`bench_large`]: its `large`
 //!   scenario (averaging and state download of stages of real size).
+//! - [`bench_converge`]: `shoal bench converge` (time to a target loss per way of stepping).
 
+pub mod bench_converge;
 pub mod bench_large;
 pub mod bench_swarm;
 pub mod demo;
 pub mod scenarios;
 
+use shoal::dht::Manifest;
+use shoal::net::{self, NetConfig, NetHandle};
+use shoal::stage::registry;
 use shoal::swarm::events::Event;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -244,4 +249,39 @@ pub fn peer_args(run: &str, boot: Option<&str>, stage: &str, key: &str) -> Vec<S
         a.push(b.to_string());
     }
     a
+}
+
+/// A DHT client (no stage, not a DHT server) joined through `bootstrap`, to read and
+/// probe a harness's swarm.
+pub async fn client(bootstrap: &str) -> Result<NetHandle, HarnessError> {
+    let swarm = |e: &dyn std::fmt::Display| HarnessError::Swarm(e.to_string());
+    let mut cfg = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), Vec::new());
+    cfg.dht_server = false;
+    let net = net::start(cfg).map_err(|e| swarm(&e))?;
+    let addr: libp2p::Multiaddr = bootstrap.parse().map_err(|e| swarm(&e))?;
+    net.dial(addr).await.map_err(|e| swarm(&e))?;
+    Ok(net)
+}
+
+/// Per stage, (peer, step, parameter hash) of every announced replica, and whether every
+/// stage's replicas agree on step and hash.
+pub async fn replica_hashes(
+    net: &NetHandle,
+    m: &Manifest,
+) -> Result<(Vec<Vec<(String, u64, String)>>, bool), HarnessError> {
+    let per_stage = registry::read_run(net, &m.id, m.config.stages.count)
+        .await
+        .map_err(|e| HarnessError::Swarm(e.to_string()))?;
+    let hashes: Vec<Vec<(String, u64, String)>> = per_stage
+        .iter()
+        .map(|v| {
+            v.iter()
+                .map(|a| (a.peer.clone(), a.step, a.params_hash.clone()))
+                .collect()
+        })
+        .collect();
+    let identical = hashes
+        .iter()
+        .all(|v| v.windows(2).all(|w| w[0].1 == w[1].1 && w[0].2 == w[1].2));
+    Ok((hashes, identical))
 }

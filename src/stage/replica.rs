@@ -53,6 +53,9 @@ pub struct Replica {
     kept: std::collections::HashMap<u64, (Kept, u64)>,
     kept_order: VecDeque<u64>,
     kept_cap: usize,
+    /// Whether a kept forward from before the last applied update is recomputed (the
+    /// one-step staleness bound; off only to measure what it buys).
+    bound_staleness: bool,
     numel: usize,
     samples_applied: u64,
     samples_lost: u64,
@@ -109,6 +112,7 @@ impl Replica {
             kept: std::collections::HashMap::new(),
             kept_order: VecDeque::new(),
             kept_cap: KEPT_CAP,
+            bound_staleness: true,
             numel,
             samples_applied: 0,
             samples_lost: 0,
@@ -136,6 +140,15 @@ impl Replica {
     /// flight through this replica.
     pub fn with_kept_cap(mut self, cap: usize) -> Self {
         self.kept_cap = cap.max(1);
+        self
+    }
+
+    /// With `false`, a backward runs through its kept forward however many updates ago it
+    /// ran, and the gradient goes into the step being accumulated: gradients may be
+    /// several steps stale (shoal's "no-sync" mode before delayed updates; kept only so
+    /// that `shoal bench converge` can show what the bound buys).
+    pub fn with_staleness_bound(mut self, bound: bool) -> Self {
+        self.bound_staleness = bound;
         self
     }
 
@@ -258,14 +271,15 @@ impl Replica {
         // two steps stale at any moment, by freezing) is recomputed at the current
         // parameters instead.
         let kept = match kept {
-            Some((_, at)) if at < self.params_step => {
+            Some((_, at)) if at < self.params_step && self.bound_staleness => {
                 self.stale_recomputed += 1;
                 None
             }
-            k => k.map(|(k, _)| k),
+            k => k,
         };
-        // Kept or recomputed, the gradient is of the current parameters.
-        let computed_at = self.params_step;
+        // Kept or recomputed, the gradient is of the parameters its forward ran at.
+        let computed_at = kept.as_ref().map_or(self.params_step, |(_, at)| *at);
+        let kept = kept.map(|(k, _)| k);
         let g = match (kept, &self.sim) {
             (_, Some(sim)) => {
                 let ran = self.kept_order.iter().position(|&m| m == mb);
@@ -286,7 +300,7 @@ impl Replica {
             return Ok((g, false));
         }
         let staleness = acc.accum_step().saturating_sub(computed_at);
-        if staleness > 1 {
+        if staleness > 1 && self.bound_staleness {
             // Unreachable by the construction above; checked, never accumulated.
             return Err(ModelError::BadInput(format!(
                 "a gradient of step {computed_at} would go into step {}",

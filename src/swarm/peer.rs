@@ -106,6 +106,9 @@ pub struct PeerConfig {
     pub sim_slowdown: f64,
     /// Forward graphs the replica keeps for their backward (see [`Replica::with_kept_cap`]).
     pub kept_forwards: usize,
+    /// Recompute a kept forward older than the last update (gradients at most one step
+    /// stale); off only in benchmarks ([`crate::stage::replica::Replica::with_staleness_bound`]).
+    pub bound_staleness: bool,
 }
 
 impl PeerConfig {
@@ -146,6 +149,7 @@ impl PeerConfig {
             allow_sim: false,
             sim_slowdown: 1.0,
             kept_forwards: crate::stage::replica::KEPT_CAP,
+            bound_staleness: true,
         }
     }
 }

@@ -1,0 +1,316 @@
+//! `shoal bench converge`: the wall time to a target loss, per way of stepping.
+//!
+//! Each mode trains the same run (real candle stages of the tiny config, 2 stages × 2
+//! replicas, 2 trainer processes, every process behind an emulated link) on the same
+//! samples: each trainer feeds the same microbatches of its own data stream, then stops.
+//! A step holds at least the run's 32 samples and more when microbatches arrive while its
+//! round forms, so modes end at different steps; the learning rate is held constant after
+//! warm-up so that this does not favour one mode's schedule. The modes:
+//! - `synchronous`: after each microbatch a trainer waits until stage 0 applied the step it
+//!   went into (the exact mode);
+//! - `delayed`: trainers never wait; a replica keeps computing gradients for step s+1 while
+//!   step s is averaged and applied, and a backward whose kept forward predates the last
+//!   update recomputes it, so every gradient is at most one step stale;
+//! - `no-sync`: trainers never wait and kept forwards are used however old (gradients may
+//!   be several steps stale; what shoal did before delayed updates).
+//!
+//! Per mode: samples/s, the swarm's held-out loss after the last step (the demo's
+//! evaluation, on the same batches for every mode), and the seconds from the trainers'
+//! start until their recent training loss (each trainer's last 8 microbatches, averaged
+//! over trainers) first reached the target. `train --local` on the same run is the
+//! reference row.
+
+use super::bench_swarm::in_scratch_dir;
+use super::demo::demo_config;
+use super::{client, peer_args, replica_hashes, spawn_bootstrap, stop_all, HarnessError, Proc};
+use shoal::config::RunConfig;
+use shoal::dht::Manifest;
+use shoal::net::link::LinkSpec;
+use shoal::stage::probe;
+use shoal::trainer::report::Progress;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Ways of stepping, in the order they run.
+pub const MODES: [&str; 3] = ["synchronous", "no-sync", "delayed"];
+
+/// Stages, replicas per stage and trainer processes of every mode.
+const STAGES: usize = 2;
+const REPLICAS: usize = 2;
+const TRAINERS: usize = 2;
+
+/// Held-out batches of the final evaluation (the demo's).
+const EVAL_BATCHES: usize = 8;
+
+/// Steps of the local reference whose mean loss is compared with the target: 4 steps of
+/// 32 samples, the 128 samples of one trainer's last 8 microbatches.
+const LOCAL_WINDOW: usize = 4;
+
+/// Knobs of the benchmark.
+#[derive(Debug, Clone)]
+pub struct ConvergeOptions {
+    /// The `shoal` binary to start.
+    pub exe: PathBuf,
+    /// Samples every mode trains (rounded to whole microbatches of every trainer).
+    pub samples: u64,
+    /// The modes to run (names from [`MODES`]).
+    pub modes: Vec<String>,
+    /// Microbatches each trainer keeps in flight.
+    pub concurrency: usize,
+    /// Every process's emulated link.
+    pub link: LinkSpec,
+    /// Also run `train --local` on the same run.
+    pub local: bool,
+    /// Longest a mode may take before the benchmark gives up on it.
+    pub timeout: Duration,
+}
+
+/// One mode's figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ConvergeRow {
+    /// `synchronous`, `no-sync`, `delayed` or `local`.
+    pub mode: String,
+    /// Optimizer steps applied.
+    pub steps: u64,
+    /// Samples the trainers completed.
+    pub samples: u64,
+    /// Wall seconds from the trainers' start to the last one's exit.
+    pub seconds: f64,
+    /// Samples completed per second.
+    pub samples_per_s: f64,
+    /// Held-out loss after the last step.
+    pub eval_loss: f64,
+    /// Seconds until the recent training loss first reached the target (`None`: never).
+    pub seconds_to_target: Option<f64>,
+    /// Whether every stage's replicas ended at one step and one parameter hash.
+    pub identical: bool,
+}
+
+impl ConvergeRow {
+    /// The table's header.
+    pub const HEADER: &'static str =
+        "mode          steps  samples  seconds  samples/s  eval loss  to target (s)  replicas";
+
+    /// One line of the table.
+    pub fn line(&self) -> String {
+        format!(
+            "{:<12} {:>6} {:>8} {:>8.1} {:>10.1} {:>10.4} {:>14} {:>9}",
+            self.mode,
+            self.steps,
+            self.samples,
+            self.seconds,
+            self.samples_per_s,
+            self.eval_loss,
+            self.seconds_to_target
+                .map_or("never".to_string(), |s| format!("{s:.1}")),
+            if self.mode == "local" {
+                "-"
+            } else if self.identical {
+                "identical"
+            } else {
+                "DIFFER"
+            }
+        )
+    }
+}
+
+/// The run every mode trains: the demo's (tiny model, at least 32 samples a step) in 2
+/// stages, at a constant learning rate after warm-up, with room for as many steps as
+/// `samples` could make.
+pub fn converge_config(samples: u64) -> RunConfig {
+    let mut cfg = demo_config(STAGES, 1);
+    cfg.training.steps = samples.div_ceil(cfg.target_batch_size() as u64).max(1);
+    cfg.optimizer.min_lr_ratio = 1.0;
+    cfg
+}
+
+/// Microbatches each trainer feeds for `samples` samples in all.
+pub fn microbatches(cfg: &RunConfig, samples: u64) -> u64 {
+    samples
+        .div_ceil((TRAINERS * cfg.training.batch_size) as u64)
+        .max(1)
+}
+
+/// The target loss of [`converge_config`].
+fn target(cfg: &RunConfig) -> Result<f64, HarnessError> {
+    cfg.training
+        .target_loss
+        .ok_or_else(|| HarnessError::Process("the tiny run has no target loss".into()))
+}
+
+/// Runs one swarm mode; `out` receives progress lines.
+pub async fn run_mode(
+    mode: &str,
+    opts: &ConvergeOptions,
+    out: &(dyn Fn(String) + Sync),
+) -> Result<ConvergeRow, HarnessError> {
+    let label = format!("converge-{mode}");
+    let dir = in_scratch_dir(&label)?;
+    let r = run_in(mode, opts, &dir, out).await;
+    super::bench_swarm::leave_scratch(&dir);
+    r
+}
+
+async fn run_in(
+    mode: &str,
+    opts: &ConvergeOptions,
+    dir: &std::path::Path,
+    out: &(dyn Fn(String) + Sync),
+) -> Result<ConvergeRow, HarnessError> {
+    let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
+    let (wait, bounded) = match mode {
+        "synchronous" => (true, true),
+        "delayed" => (false, true),
+        "no-sync" => (false, false),
+        other => return Err(err(&format!("unknown mode {other:?}"))),
+    };
+    let cfg = converge_config(opts.samples);
+    let target = target(&cfg)?;
+    let m = Manifest::from_config(&cfg).map_err(|e| err(&e))?;
+    std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
+    let exe = &opts.exe;
+    let link = super::scenarios::link_arg(&opts.link);
+    let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;
+    let mut peers = Vec::new();
+    for s in 0..STAGES {
+        for r in 0..REPLICAS {
+            let name = format!("stage{s}-replica{r}");
+            let mut a = peer_args(&m.id, Some(&baddr), &s.to_string(), &format!("{name}.key"));
+            a.extend(["--rebalance-every", "0", "--emulate-link", &link].map(String::from));
+            if !bounded {
+                a.push("--unbounded-staleness".into());
+            }
+            peers.push(Proc::spawn(exe, dir, &name, &a)?);
+        }
+    }
+    for p in peers.iter_mut() {
+        p.wait_ready(Duration::from_secs(60))?;
+    }
+    let net = client(&baddr).await?;
+    let started = Instant::now();
+    let mut trainers = Vec::new();
+    for t in 0..TRAINERS {
+        let mut a: Vec<String> = [
+            "train",
+            "--run",
+            &m.id,
+            "--bootstrap",
+            &baddr,
+            "--trainers",
+            "1",
+            "--concurrency",
+            &opts.concurrency.to_string(),
+            "--data-index",
+            &(t as u64 * 1000).to_string(),
+            "--report-ms",
+            "250",
+            "--microbatches",
+            &microbatches(&cfg, opts.samples).to_string(),
+            "--emulate-link",
+            &link,
+        ]
+        .map(String::from)
+        .to_vec();
+        if !wait {
+            a.push("--no-sync-steps".into());
+        }
+        trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &a)?);
+    }
+    let mut last = vec![Progress::default(); TRAINERS];
+    let mut to_target = None;
+    let mut next_print = started;
+    while !trainers.iter_mut().all(Proc::exited) {
+        if started.elapsed() > opts.timeout {
+            return Err(err(&format!(
+                "{mode}: not done after {:.0} s (raise --timeout or lower --samples)",
+                opts.timeout.as_secs_f64()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        super::demo::latest_progress(&mut trainers, &mut last);
+        // Every trainer must have reported a loss: one trainer's alone is half the data.
+        let losses: Vec<f64> = last.iter().map(|p| p.loss).collect();
+        let reported = last.iter().all(|p| p.completed > 0);
+        if to_target.is_none() && reported && losses.iter().all(|l| l.is_finite()) {
+            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+            if mean <= target {
+                to_target = Some(started.elapsed().as_secs_f64());
+            }
+        }
+        if Instant::now() >= next_print {
+            next_print = Instant::now() + Duration::from_secs(10);
+            let p = Progress::sum(&last);
+            out(format!(
+                "  [{:>4.0}s] {mode}: step {:>4}  loss {:.4}  completed {}/{}",
+                started.elapsed().as_secs_f64(),
+                p.step,
+                p.loss,
+                p.completed,
+                opts.samples
+            ));
+        }
+    }
+    super::demo::latest_progress(&mut trainers, &mut last);
+    let seconds = started.elapsed().as_secs_f64();
+    let total = Progress::sum(&last);
+    // Let the last round settle before evaluating and comparing replicas.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let eval_loss = probe::evaluate(&net, &m, EVAL_BATCHES)
+        .await
+        .map_err(|e| HarnessError::Swarm(e.to_string()))?;
+    let (hashes, identical) = replica_hashes(&net, &m).await?;
+    let steps = hashes
+        .iter()
+        .flat_map(|v| v.iter().map(|h| h.1))
+        .min()
+        .unwrap_or(0);
+    stop_all(peers.iter_mut(), Duration::from_secs(8));
+    boot.stop();
+    net.shutdown().await;
+    Ok(ConvergeRow {
+        mode: mode.to_string(),
+        steps,
+        samples: total.completed,
+        seconds,
+        samples_per_s: total.completed as f64 / seconds.max(1e-9),
+        eval_loss,
+        seconds_to_target: to_target,
+        identical,
+    })
+}
+
+/// The reference: `train --local` on the same run, in this process.
+pub fn run_local(opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
+    let cfg = converge_config(opts.samples);
+    let target = target(&cfg)?;
+    let started = Instant::now();
+    let mut recent = std::collections::VecDeque::new();
+    let mut to_target = None;
+    let lo = shoal::train::LocalOptions {
+        steps: Some(cfg.training.steps),
+        eval_batches: EVAL_BATCHES,
+        ..Default::default()
+    };
+    let report = shoal::train::train_local(&cfg, &lo, &mut |p| {
+        recent.push_back(p.loss as f64);
+        if recent.len() > LOCAL_WINDOW {
+            recent.pop_front();
+        }
+        let mean = recent.iter().sum::<f64>() / recent.len() as f64;
+        if to_target.is_none() && recent.len() == LOCAL_WINDOW && mean <= target {
+            to_target = Some(started.elapsed().as_secs_f64());
+        }
+    })
+    .map_err(|e| HarnessError::Process(format!("train --local: {e}")))?;
+    let samples = report.steps.saturating_sub(report.first_step) * cfg.target_batch_size() as u64;
+    Ok(ConvergeRow {
+        mode: "local".into(),
+        steps: report.steps,
+        samples,
+        seconds: report.seconds,
+        samples_per_s: samples as f64 / report.seconds.max(1e-9),
+        eval_loss: report.eval_loss,
+        seconds_to_target: to_target,
+        identical: true,
+    })
+}
