@@ -313,7 +313,7 @@ pub fn bench_stage(
 #[derive(Args)]
 pub struct ConvergeArgs {
     /// Samples every mode trains.
-    #[arg(long, default_value_t = 9600, value_name = "N")]
+    #[arg(long, default_value_t = 12800, value_name = "N")]
     samples: u64,
     /// Comma-separated modes: synchronous, no-sync, delayed.
     #[arg(
@@ -322,8 +322,9 @@ pub struct ConvergeArgs {
         value_name = "LIST"
     )]
     modes: String,
-    /// Microbatches each of the 2 trainers keeps in flight.
-    #[arg(long, default_value_t = 2, value_name = "N")]
+    /// Microbatches each of the 2 trainers keeps in flight (1: a synchronous step holds
+    /// exactly the run's 32 samples).
+    #[arg(long, default_value_t = 1, value_name = "N")]
     concurrency: usize,
     /// Every process's emulated link.
     #[arg(long, default_value = "bw=100mbit,rtt=50ms", value_name = "SPEC")]

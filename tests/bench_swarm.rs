@@ -1,6 +1,7 @@
-//! `shoal bench swarm` end to end: a 10-second homogeneous scenario (sim stages behind
-//! emulated 100 Mbit/s, 50 ms links, as separate processes) completes and reports a sane
-//! bound. No speed is asserted.
+//! `shoal bench swarm` and `shoal bench converge` end to end. Swarm: a 10-second
+//! homogeneous scenario (sim stages behind emulated 100 Mbit/s, 50 ms links, as separate
+//! processes) completes and reports a sane bound. Converge: a short run of two modes. No
+//! speed is asserted.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -91,4 +92,52 @@ fn a_sim_run_needs_allow_sim_and_a_bad_link_spec_is_one_line() {
     assert!(!ok);
     assert!(err.contains("bad link spec"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// `shoal bench converge` in short: every mode asked for trains the same samples on real
+/// stages behind emulated links, keeps its replicas identical, learns something, and the
+/// JSON rows carry the keys the converge check reads. No speed is asserted.
+#[test]
+fn bench_converge_trains_every_mode_on_the_same_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("converge.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["bench", "converge", "--samples", "640"])
+        .args(["--modes", "no-sync,delayed", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["no-sync", "delayed", "local"], "{stdout}");
+    for r in rows {
+        // 2 trainers x 20 microbatches of 16.
+        assert_eq!(r["samples"], 640, "{r}");
+        assert_eq!(r["identical"], true, "{r}");
+        let eval = r["eval_loss"].as_f64().unwrap();
+        // Better than uniform over the 16 tokens (ln 16 = 2.77) after 20 steps.
+        assert!(eval.is_finite() && eval < 2.6, "{r}");
+        assert!(r["samples_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r.get("seconds_to_target").is_some(), "{r}");
+        assert!(r["steps"].as_u64().unwrap() >= 10, "{r}");
+    }
+    // A bad mode is one line and a failure.
+    let bad = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["bench", "converge", "--modes", "eventually"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("unknown mode") && err.trim().lines().count() == 1,
+        "{err}"
+    );
 }
