@@ -358,7 +358,10 @@ fn run_in(
         }
     }
     boot.stop();
-    let (b, what, slowest) = bound(setup, &compute, ratio);
+    // Real stages share this machine's cores (sim stages sleep).
+    let real = setup.run.stages.kind.is_model() && !setup.large;
+    let cores = real.then(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
+    let (b, what, slowest) = bound(setup, &compute, ratio, cores);
     // Where compute binds, the busiest stage is the one holding the swarm back (stages
     // whose bounds tie differ in how busy they actually are).
     let busiest = (0..stages.len())

@@ -306,6 +306,12 @@ pub fn sim_run(codec: CodecSpec) -> RunConfig {
 /// averaging rounds.
 pub const SIM_TARGET_BATCH: usize = 512;
 
+/// Microbatches each trainer keeps in flight in the `real` scenario, at most. A real stage
+/// keeps every in-flight microbatch's forward graph: at the sim scenarios' 96 each peer grew
+/// to 1.4 GB within seconds, the page faults of that growth took a fifth of the CPU, and
+/// the swarm did 121–155 samples/s; at 8 it does ~270 (BENCHMARKS.md).
+pub const REAL_CONCURRENCY: usize = 8;
+
 /// The setups of a scenario.
 pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
     let home = link("bw=100mbit,rtt=50ms");
@@ -377,6 +383,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
         }
         "real" => {
             let mut s = homogeneous("real", int8z);
+            s.concurrency = opts.concurrency.min(REAL_CONCURRENCY);
             let mut run = RunConfig::tiny();
             run.stages.count = 4;
             run.stages.cuts.clear();
@@ -449,7 +456,13 @@ pub fn raw_bytes_per_sample(run: &RunConfig, stage: usize) -> (f64, f64) {
 
 /// The bound of `setup` given each replica's compute throughput and the measured
 /// wire/raw ratio; returns (bound, limiting part, slowest stage's compute).
-pub fn bound(setup: &Setup, compute: &[f64], ratio: f64) -> (f64, String, f64) {
+///
+/// `cores`: the cores every process of the swarm shares, when its stages compute for real
+/// (a `sim` stage sleeps and uses none). Each replica's throughput was measured alone on
+/// one thread, so a sample costs Σ over stages of 1/(its replicas' mean throughput) core
+/// seconds, and the machine does at most `cores` of those per second, whatever the
+/// replicas would do each on a core of its own.
+pub fn bound(setup: &Setup, compute: &[f64], ratio: f64, cores: Option<f64>) -> (f64, String, f64) {
     let stages = setup.run.stages.count;
     let mut best = (f64::INFINITY, String::new());
     let mut slowest_compute = f64::INFINITY;
@@ -491,6 +504,25 @@ pub fn bound(setup: &Setup, compute: &[f64], ratio: f64) -> (f64, String, f64) {
     if trainers < best.0 {
         best = (trainers, "trainer links".into());
     }
+    if let Some(cores) = cores {
+        let mut core_s = 0.0;
+        for s in 0..stages {
+            let own: Vec<f64> = setup
+                .replicas
+                .iter()
+                .zip(compute)
+                .filter(|(r, _)| r.stage == s)
+                .map(|(_, &c)| c)
+                .collect();
+            let mean = own.iter().sum::<f64>() / own.len().max(1) as f64;
+            core_s += 1.0 / mean;
+        }
+        let shared = cores / core_s;
+        if shared < best.0 {
+            best = (shared, format!("{cores:.0} shared cores compute"));
+        }
+        slowest_compute = slowest_compute.min(shared);
+    }
     (best.0, best.1, slowest_compute)
 }
 
@@ -522,7 +554,7 @@ mod tests {
         let s = scenario("homogeneous", &opts).unwrap().remove(0);
         // Unlimited compute: links bound it. Per sample (f32 sizes, ratio 1): a middle
         // replica receives 3 activations of 16 KiB; a trainer sends every input twice.
-        let (b, what, _) = bound(&s, &[f64::INFINITY; 8], 1.0);
+        let (b, what, _) = bound(&s, &[f64::INFINITY; 8], 1.0, None);
         let act = 4.0 * 64.0 * 64.0;
         let ids = 4.0 * 64.0;
         let trainer_out: f64 = (2.0 * ids + act) + 2.0 * 3.0 * act + (act + ids);
@@ -530,9 +562,17 @@ mod tests {
         assert_eq!(what, "trainer links");
         assert!((b - want).abs() < 1e-6 * want, "{b} vs {want}");
         // Slow compute: 250 samples/s per replica, 500 per stage, binds.
-        let (b, what, slowest) = bound(&s, &[250.0; 8], 0.25);
+        let (b, what, slowest) = bound(&s, &[250.0; 8], 0.25, None);
         assert_eq!((b, slowest), (500.0, 500.0));
         assert!(what.contains("compute"), "{what}");
+        // The same replicas computing for real on 2 shared cores: a sample costs 4 stages
+        // x 1/250 core seconds, so 2 cores do 125 samples/s, below every stage's 500.
+        let (b, what, slowest) = bound(&s, &[250.0; 8], 0.25, Some(2.0));
+        assert!(
+            (b - 125.0).abs() < 1e-9 && (slowest - 125.0).abs() < 1e-9,
+            "{b}"
+        );
+        assert!(what.contains("shared cores"), "{what}");
     }
 
     #[test]

@@ -71,7 +71,8 @@ pub enum StageKind {
 }
 
 impl StageKind {
-    fn is_model(&self) -> bool {
+    /// Whether the stages are the real model (not the `sim` stand-in).
+    pub fn is_model(&self) -> bool {
         *self == StageKind::Model
     }
 }

@@ -183,8 +183,10 @@ impl Worker {
     }
 }
 
-/// Samples per second of forward + backward of `stage` on microbatches of `batch`,
-/// measured over at least `min_iters` runs or `budget`, after one warm-up.
+/// Samples per second of forward + backward of `stage` on microbatches of `batch`, as a
+/// replica serves them (the backward through the forward's kept graph), measured over at
+/// least `min_iters` runs or `budget`, after two warm-up runs (the first allocations'
+/// page faults are not the stage's speed).
 pub fn measure_throughput(
     stage: &Stage,
     batch: usize,
@@ -206,15 +208,16 @@ pub fn measure_throughput(
             .to_dtype(stage.dtype())?
     };
     let once = || -> Result<(), ModelError> {
-        stage.forward(&input)?;
+        let kept = stage.forward_kept(&input)?;
         let upstream = if stage.is_last() {
             Upstream::Targets(&up)
         } else {
             Upstream::Grad(&up)
         };
-        stage.backward(&input, upstream)?;
+        stage.backward_kept(kept, upstream)?;
         Ok(())
     };
+    once()?;
     once()?;
     let t0 = Instant::now();
     let mut n = 0usize;
