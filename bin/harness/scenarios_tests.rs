@@ -2,16 +2,26 @@
 
 use super::*;
 
-#[test]
-fn bound_counts_the_trainer_hops() {
-    let opts = BenchOptions {
+/// What a test that fails on an error returns.
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// Bench options no scenario here starts processes with.
+fn options() -> BenchOptions {
+    BenchOptions {
         exe: PathBuf::new(),
         warmup: 0.0,
         seconds: 0.0,
         samples: None,
         concurrency: 1,
-    };
-    let s = scenario("homogeneous", &opts).unwrap().remove(0);
+    }
+}
+
+#[test]
+fn bound_counts_the_trainer_hops() -> TestResult {
+    let opts = options();
+    let s = scenario("homogeneous", &opts)
+        .and_then(|v| v.into_iter().next())
+        .ok_or("no homogeneous setup")?;
     // Unlimited compute: links bound it. Per sample (f32 sizes, ratio 1): a middle
     // replica receives 3 activations of 16 KiB; a trainer sends every input twice.
     let (b, what, _) = bound(&s, &[f64::INFINITY; 8], 1.0, None);
@@ -33,30 +43,29 @@ fn bound_counts_the_trainer_hops() {
         "{b}"
     );
     assert!(what.contains("shared cores"), "{what}");
+    Ok(())
 }
 
 #[test]
-fn every_scenario_is_defined_and_link_args_round_trip() {
-    let opts = BenchOptions {
-        exe: PathBuf::new(),
-        warmup: 0.0,
-        seconds: 0.0,
-        samples: None,
-        concurrency: 1,
-    };
+fn every_scenario_is_defined_and_link_args_round_trip() -> TestResult {
+    let opts = options();
     for name in SCENARIOS {
-        let setups = scenario(name, &opts).unwrap();
+        let setups = scenario(name, &opts).ok_or(format!("no scenario {name}"))?;
         assert!(!setups.is_empty());
         for s in setups {
-            s.run.validate().unwrap();
+            s.run.validate()?;
             for r in &s.replicas {
-                let back = LinkSpec::parse(&link_arg(&r.link)).unwrap();
-                assert!((back.up.unwrap() - r.link.up.unwrap()).abs() < 1.0);
+                let back = LinkSpec::parse(&link_arg(&r.link))?;
+                let (Some(up), Some(want)) = (back.up, r.link.up) else {
+                    return Err(format!("{name}: a link without an uplink").into());
+                };
+                assert!((up - want).abs() < 1.0);
                 assert_eq!(back.rtt, r.link.rtt);
             }
         }
     }
     assert!(scenario("nope", &opts).is_none());
+    Ok(())
 }
 
 #[test]
