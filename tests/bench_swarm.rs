@@ -10,33 +10,41 @@
 
 use std::process::Command;
 
-#[test]
-fn homogeneous_scenario_completes_with_a_sane_bound() {
+/// Runs `shoal bench ARGS... --json FILE`, requires success, and returns what it printed
+/// and the rows it wrote.
+fn run_bench(args: &[&str]) -> (String, Vec<serde_json::Value>) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .args([
-            "bench",
-            "swarm",
-            "--scenario",
-            "homogeneous",
-            "--seconds",
-            "10",
-        ])
-        .args(["--warmup", "3", "--json"])
+        .arg("bench")
+        .args(args)
+        .arg("--json")
         .arg(&json)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "bench failed: {stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("efficiency"), "{stdout}");
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let rows = rows.as_array().unwrap();
+    (stdout, rows.as_array().unwrap().clone())
+}
+
+#[test]
+fn homogeneous_scenario_completes_with_a_sane_bound() {
+    let (stdout, rows) = run_bench(&[
+        "swarm",
+        "--scenario",
+        "homogeneous",
+        "--seconds",
+        "10",
+        "--warmup",
+        "3",
+    ]);
+    assert!(stdout.contains("efficiency"), "{stdout}");
     assert_eq!(rows.len(), 1);
     let r = &rows[0];
     assert_eq!(r["scenario"], "homogeneous");
@@ -99,26 +107,10 @@ fn a_sim_run_needs_allow_sim_and_a_bad_link_spec_is_one_line() {
 /// JSON rows carry the keys the converge check reads. No speed is asserted.
 #[test]
 fn bench_converge_trains_every_mode_on_the_same_samples() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("converge.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .args(["bench", "converge", "--samples", "640"])
-        .args(["--modes", "no-sync,delayed", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "bench failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let rows = rows.as_array().unwrap();
+    let (stdout, rows) = run_bench(&["converge", "--samples", "640", "--modes", "no-sync,delayed"]);
     let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(modes, ["no-sync", "delayed", "local"], "{stdout}");
-    for r in rows {
+    for r in &rows {
         // 2 trainers x 20 microbatches of 16.
         assert_eq!(r["samples"], 640, "{r}");
         assert_eq!(r["identical"], true, "{r}");
