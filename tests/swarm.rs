@@ -25,8 +25,13 @@ fn loopback() -> Vec<Multiaddr> {
 }
 
 fn run_config(steps: u64) -> RunConfig {
+    run_config_of(3, steps)
+}
+
+/// The tests' run in `stages` stages.
+fn run_config_of(stages: usize, steps: u64) -> RunConfig {
     let mut cfg = RunConfig::tiny();
-    cfg.stages.count = 3;
+    cfg.stages.count = stages;
     cfg.stages.cuts.clear();
     cfg.training.steps = steps;
     cfg.training.target_batch_size = Some(32);
@@ -332,9 +337,7 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trainers_that_never_wait_keep_replicas_identical_and_gradients_one_step_stale() {
     let _g = SERIAL.lock().await;
-    let mut cfg = run_config(200);
-    cfg.stages.count = 2;
-    cfg.validate().unwrap();
+    let cfg = run_config_of(2, 200);
     let dir = tempfile::tempdir().unwrap();
     let s = swarm(&dir, &cfg, 2).await;
     // Two trainers, two microbatches in flight each, never waiting for a step: forwards
@@ -643,8 +646,7 @@ async fn rebalancing_spreads_a_piled_up_stage_without_flapping() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trained_state_of_more_chunks_than_one_header_holds_is_downloaded_whole() {
     let _g = SERIAL.lock().await;
-    let mut cfg = run_config(20);
-    cfg.stages.count = 2;
+    let mut cfg = run_config_of(2, 20);
     // 32 floats a chunk: stage 0's state is ~10k chunks, whose hashes (19 bytes each in
     // JSON) are more than twice what one 64 KiB message header could hold.
     cfg.averaging.state_chunk_floats = Some(32);
@@ -758,9 +760,7 @@ async fn rounds_whose_parts_cross_a_slow_link_complete() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
     let _g = SERIAL.lock().await;
-    let mut cfg = run_config(200);
-    cfg.stages.count = 2;
-    cfg.validate().unwrap();
+    let cfg = run_config_of(2, 200);
     let dir = tempfile::tempdir().unwrap();
     let (m, path) = manifest_file(&dir, &cfg);
     let boot = start(pc(RunSource::File(path), vec![], StageChoice::None)).await;

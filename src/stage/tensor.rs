@@ -30,18 +30,8 @@ pub fn encode(t: &Tensor, spec: &CodecSpec) -> Result<Vec<u8>, WireError> {
         let data: Vec<f32> = match flat.dtype() {
             // Half-precision activations leave the device as they are (half the bytes of
             // an f32 copy, no widening on the GPU) and widen on the host.
-            DType::BF16 => flat
-                .to_vec1::<half::bf16>()
-                .map_err(bad)?
-                .into_iter()
-                .map(f32::from)
-                .collect(),
-            DType::F16 => flat
-                .to_vec1::<half::f16>()
-                .map_err(bad)?
-                .into_iter()
-                .map(f32::from)
-                .collect(),
+            DType::BF16 => widened::<half::bf16>(&flat).map_err(bad)?,
+            DType::F16 => widened::<half::f16>(&flat).map_err(bad)?,
             _ => flat
                 .to_dtype(DType::F32)
                 .and_then(|f| f.to_vec1::<f32>())
@@ -58,6 +48,14 @@ pub struct Decoded {
     pub tensor: Tensor,
     /// `false` when a float input holds NaN or ±inf.
     pub finite: bool,
+}
+
+/// A 1-D tensor of half floats copied to the host as it is and widened there.
+fn widened<T: candle_core::WithDType>(flat: &Tensor) -> candle_core::Result<Vec<f32>>
+where
+    f32: From<T>,
+{
+    Ok(flat.to_vec1::<T>()?.into_iter().map(f32::from).collect())
 }
 
 /// Decodes a frame into a tensor on `device`.
