@@ -22,7 +22,9 @@
 
 use super::bench_swarm::in_scratch_dir;
 use super::demo::demo_config;
-use super::{client, peer_args, replica_hashes, spawn_bootstrap, stop_all, HarnessError, Proc};
+use super::{
+    client, peer_args, replica_hashes, spawn_bootstrap, stop_all, trainer_args, HarnessError, Proc,
+};
 use shoal::config::RunConfig;
 use shoal::dht::Manifest;
 use shoal::net::link::LinkSpec;
@@ -190,27 +192,20 @@ async fn run_in(
     let started = Instant::now();
     let mut trainers = Vec::new();
     for t in 0..TRAINERS {
-        let mut a: Vec<String> = [
-            "train",
-            "--run",
-            &m.id,
-            "--bootstrap",
-            &baddr,
-            "--trainers",
-            "1",
-            "--concurrency",
-            &opts.concurrency.to_string(),
-            "--data-index",
-            &(t as u64 * 1000).to_string(),
-            "--report-ms",
-            "250",
-            "--microbatches",
-            &microbatches(&cfg, opts.samples).to_string(),
-            "--emulate-link",
-            &link,
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut a = trainer_args(&m.id, &baddr, t);
+        a.extend(
+            [
+                "--concurrency",
+                &opts.concurrency.to_string(),
+                "--report-ms",
+                "250",
+                "--microbatches",
+                &microbatches(&cfg, opts.samples).to_string(),
+                "--emulate-link",
+                &link,
+            ]
+            .map(String::from),
+        );
         if !wait {
             a.push("--no-sync-steps".into());
         }

@@ -14,7 +14,7 @@
 //! Memory is every replica's peak resident set, the joiner's included, against the stage's
 //! state (parameters + two moments, f32).
 
-use super::bench_swarm::{in_scratch, replica_args, start_run, trainer_args};
+use super::bench_swarm::{bench_trainer_args, in_scratch, replica_args, start_run};
 use super::scenarios::{BenchOptions, ReplicaSpec, Row, Setup};
 use super::{stop_all, HarnessError, Proc};
 use shoal::averaging::AvgSnapshot;
@@ -166,7 +166,7 @@ fn run_in(
     }
     let mut trainers = Vec::new();
     for (t, l) in setup.trainers.iter().enumerate() {
-        let args = trainer_args(setup, &m.id, &baddr, l, t);
+        let args = bench_trainer_args(setup, &m.id, &baddr, l, t);
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
     }
     let started = Instant::now();

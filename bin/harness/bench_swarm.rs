@@ -3,7 +3,7 @@
 //! counters (every 500 ms), the trainers' progress and their reasons for failures.
 
 use super::scenarios::{bound, link_arg, BenchOptions, ReplicaSpec, Row, Setup, StageTimes};
-use super::{peer_args, spawn_bootstrap, stop_all, HarnessError, Proc};
+use super::{peer_args, spawn_bootstrap, stop_all, trainer_args, HarnessError, Proc};
 use shoal::dht::Manifest;
 use shoal::net::link::LinkSpec;
 use shoal::swarm::events::Event;
@@ -11,43 +11,33 @@ use shoal::trainer::report::Progress;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-pub(super) fn trainer_args(
+/// Arguments of trainer `idx` of `setup`: never waits for a step, reports every 250 ms.
+pub(super) fn bench_trainer_args(
     setup: &Setup,
     id: &str,
     boot: &str,
     link: &LinkSpec,
     idx: usize,
 ) -> Vec<String> {
-    let conc = setup.concurrency;
-    [
-        "train",
-        "--run",
-        id,
-        "--bootstrap",
-        boot,
-        "--trainers",
-        "1",
-        "--concurrency",
-        &conc.to_string(),
-        "--data-index",
-        &(idx as u64 * 1000).to_string(),
-        "--report-ms",
-        "250",
-        "--no-sync-steps",
-        "--routing",
-        setup.routing,
-        "--emulate-link",
-        &link_arg(link),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain(
-        setup
-            .call_timeout
-            .into_iter()
-            .flat_map(|t| ["--call-timeout".to_string(), t.to_string()]),
-    )
-    .collect()
+    let mut a = trainer_args(id, boot, idx);
+    a.extend(
+        [
+            "--concurrency",
+            &setup.concurrency.to_string(),
+            "--report-ms",
+            "250",
+            "--no-sync-steps",
+            "--routing",
+            setup.routing,
+            "--emulate-link",
+            &link_arg(link),
+        ]
+        .map(String::from),
+    );
+    if let Some(t) = setup.call_timeout {
+        a.extend(["--call-timeout".to_string(), t.to_string()]);
+    }
+    a
 }
 
 /// Arguments of a stage peer. `in_flight` is the microbatches all trainers keep in flight:
@@ -250,7 +240,7 @@ fn run_in(
     }
     let mut trainers = Vec::new();
     for (t, l) in setup.trainers.iter().enumerate() {
-        let args = trainer_args(setup, &m.id, &baddr, l, t);
+        let args = bench_trainer_args(setup, &m.id, &baddr, l, t);
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
     }
     let mut last = vec![Progress::default(); trainers.len()];

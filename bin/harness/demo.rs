@@ -7,7 +7,9 @@
 //! state. The demo prints live progress, then evaluates the swarm's model on held-out
 //! batches and compares replica parameter hashes.
 
-use super::{client, peer_args, replica_hashes, spawn_bootstrap, stop_all, HarnessError, Proc};
+use super::{
+    client, peer_args, replica_hashes, spawn_bootstrap, stop_all, trainer_args, HarnessError, Proc,
+};
 use shoal::config::RunConfig;
 use shoal::data::TokenSource;
 use shoal::dht::Manifest;
@@ -122,20 +124,7 @@ async fn run_in(
     let started = Instant::now();
     let mut trainers = Vec::new();
     for t in 0..cfg.trainers {
-        let args: Vec<String> = [
-            "train",
-            "--run",
-            &m.id,
-            "--bootstrap",
-            &baddr,
-            "--trainers",
-            "1",
-            "--data-index",
-            &(t as u64 * 1000).to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let args = trainer_args(&m.id, &baddr, t);
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
     }
     let mut last: Vec<Progress> = vec![Progress::default(); cfg.trainers];

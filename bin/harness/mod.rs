@@ -285,3 +285,21 @@ pub async fn replica_hashes(
         .all(|v| v.windows(2).all(|w| w[0].1 == w[1].1 && w[0].2 == w[1].2));
     Ok((hashes, identical))
 }
+
+/// Arguments of a `shoal train` process of one loop on loopback, the `t`-th of a harness
+/// (each reads its own data stream, `t × 1000`).
+pub fn trainer_args(run: &str, boot: &str, t: usize) -> Vec<String> {
+    [
+        "train",
+        "--run",
+        run,
+        "--bootstrap",
+        boot,
+        "--trainers",
+        "1",
+        "--data-index",
+        &(t as u64 * 1000).to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
