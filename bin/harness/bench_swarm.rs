@@ -349,7 +349,7 @@ fn run_in(
     }
     boot.stop();
     // Real stages share this machine's cores (sim stages sleep).
-    let real = setup.run.stages.kind.is_model() && !setup.large;
+    let real = setup.run.stages.kind.is_model();
     let cores = real.then(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
     let (b, what, slowest) = bound(setup, &compute, ratio, cores);
     // Where compute binds, the busiest stage is the one holding the swarm back (stages
