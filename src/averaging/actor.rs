@@ -4,7 +4,7 @@
 //! or joins.
 
 use super::plan::{self, Decision, View};
-use super::round::{Round, Tally};
+use super::round::{self, Round, Tally};
 use super::send::{Abandoned, Bulk, Outgoing};
 use super::server::{Inbound, Inbox};
 use super::sync;
@@ -64,6 +64,8 @@ pub(super) struct State {
     pub(super) started: Instant,
     pub(super) stats: Arc<AvgStats>,
     pub(super) rng: Rng,
+    /// The checks on members' chunks, and the peers banned from rounds.
+    pub(super) guard: super::guard::Guard,
 }
 
 impl State {
@@ -80,6 +82,7 @@ impl State {
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
+                    Some(m) if self.guard.is_banned(&m.from, Instant::now()) => {}
                     Some(m) if !self.left => self.on_message(m).await,
                     Some(_) => {}
                     None => return,
@@ -172,6 +175,30 @@ impl State {
         self.frozen = None;
     }
 
+    /// Notes that `peer` sent something rejected in round attempt `key`: counted, and a
+    /// strike, which may ban it (then it is forgotten as a member until the ban ends).
+    pub(super) fn reject(&mut self, peer: PeerId, key: round::Key, why: &str) {
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        self.debug(|| format!("rejected a chunk of {peer}: {why}"));
+        let now = Instant::now();
+        if self.guard.strike(peer, key, why, now) {
+            self.views.remove(&peer);
+            self.debug(|| format!("banned {peer}"));
+            // Its part of a running round will not be heard: retry without it now.
+            if self
+                .round
+                .as_ref()
+                .is_some_and(|r| r.members.contains(&peer))
+            {
+                self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                self.end_round(false);
+            }
+        }
+        if let Ok(mut b) = self.stats.banned.lock() {
+            *b = self.guard.banned(now);
+        }
+    }
+
     pub(super) fn debug(&self, what: impl FnOnce() -> String) {
         if std::env::var_os("SHOAL_DEBUG_AVG").is_some() {
             let me = self.me.to_string();
@@ -180,7 +207,8 @@ impl State {
         }
     }
 
-    /// Sends progress on change (at most every 100 ms) or as a heartbeat.
+    /// Sends progress on change (at most every 100 ms, at once when it fills the step's
+    /// batch) or as a heartbeat.
     fn heartbeat(&mut self, st: &ReplicaStatus) {
         let now_sig = (
             st.params_step,
@@ -194,7 +222,21 @@ impl State {
         let since = self.last_sent_at.elapsed();
         let changed = self.last_sent.as_ref() != Some(&now_sig);
         let stepped = self.last_sent.as_ref().map(|l| l.0) != Some(st.params_step);
+        // The change that fills the step's batch is sent at once: the leader is waiting
+        // for it.
+        let filled = changed && {
+            let mine = View::of(st, Instant::now());
+            let s = st.params_step;
+            let others: u64 = self
+                .views
+                .values()
+                .filter(|v| v.params_step == s)
+                .map(|v| v.pending_at(s))
+                .sum();
+            mine.pending_at(s) + others >= self.cfg.target.max(1)
+        };
         if stepped
+            || filled
             || (changed && since >= Duration::from_millis(100))
             || since >= self.cfg.heartbeat
         {
@@ -237,11 +279,19 @@ impl State {
         if self.round.is_some() {
             return;
         }
-        let mine = View::of(&st, Instant::now());
+        let now = Instant::now();
+        let mine = View::of(&st, now);
+        // Banned replicas are no members, leaders or donors of this one.
+        let views: HashMap<PeerId, View> = self
+            .views
+            .iter()
+            .filter(|(p, _)| !self.guard.is_banned(p, now))
+            .map(|(p, v)| (*p, v.clone()))
+            .collect();
         let input = plan::Input {
             me: self.me,
             mine: &mine,
-            views: &self.views,
+            views: &views,
             known: &self.known,
             started: self.started,
             behind_since: self.timers.behind_since,

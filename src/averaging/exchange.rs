@@ -42,6 +42,19 @@ impl State {
                 chunk,
                 ..
             } => {
+                // A reduced chunk is applied by every member as it is: one holding NaN or
+                // ±inf ends the attempt (the leader retries) and is a strike.
+                let mut values = Vec::new();
+                let bad = match wire::decode_f32_into(&frame, &Limits::default(), &mut values) {
+                    Ok(_) => super::guard::check_finite(&values).err(),
+                    Err(e) => Some(e.to_string()),
+                };
+                if let Some(why) = bad {
+                    self.reject(m.from, key, &format!("reduced chunk {chunk}: {why}"));
+                    self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                    self.end_round(false);
+                    return;
+                }
                 if let Some(t) = &mut self.tally {
                     t.add_reduced(index as usize, chunk, Arc::new(frame), total);
                 }
@@ -62,19 +75,42 @@ impl State {
         let Some(range) = self.tally.as_ref().and_then(|t| t.layout().range(chunk)) else {
             return;
         };
-        let mut values = Vec::new();
-        if wire::decode_f32_into(frame, &Limits::default(), &mut values).is_err() {
-            return;
-        }
-        let Ok(own) = frozen.sum.decode(chunk) else {
+        let key = r.key();
+        let Ok(mut own) = frozen.sum.decode(chunk) else {
             return;
         };
         if own.len() != range.len() {
             return;
         }
-        let taken = match &mut self.tally {
-            Some(t) => t.add_part(m, chunk, count, &values, (&own, frozen.count)),
-            None => return,
+        // This replica's own copy goes through the finiteness check too: a sum that
+        // overflowed here is left out rather than sent to every member averaged.
+        let mut own_count = frozen.count;
+        if super::guard::check_finite(&own).is_err() {
+            own.iter_mut().for_each(|x| *x = 0.0);
+            own_count = 0;
+        }
+        let mut values = Vec::new();
+        let check = match wire::decode_f32_into(frame, &Limits::default(), &mut values) {
+            Ok(_) if values.len() == range.len() => self.guard.check_part(chunk, &values, count),
+            Ok(_) => Err(format!(
+                "a chunk of {} values, not {}",
+                values.len(),
+                range.len()
+            )),
+            Err(e) => Err(e.to_string()),
+        };
+        let taken = match check {
+            Ok(()) => match &mut self.tally {
+                Some(t) => t.add_part(m, chunk, count, &values, (&own, own_count)),
+                None => return,
+            },
+            Err(why) => {
+                self.reject(from, key, &format!("part chunk {chunk}: {why}"));
+                match &mut self.tally {
+                    Some(t) => t.exclude_part(m, chunk, (&own, own_count)),
+                    None => return,
+                }
+            }
         };
         self.on_taken(taken);
     }
@@ -148,10 +184,13 @@ impl State {
         let (service, codec) = (Arc::clone(&self.service), self.cfg.codec);
         let chunk = round::chunk_for(self.n);
         let frozen = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec)).await;
-        let Ok(Ok(frozen)) = frozen else {
+        let Ok(Ok(mut frozen)) = frozen else {
             self.debug(|| format!("freeze {step} failed"));
             return;
         };
+        if let Some(bad) = self.cfg.tamper.and_then(|t| t.corrupt(step, &frozen.sum)) {
+            frozen.sum = Arc::new(bad);
+        }
         let key: Key = (step, attempt);
         let uplinks: Vec<u64> = members
             .iter()
@@ -178,7 +217,8 @@ impl State {
             deadline: Instant::now() + timeout,
             started: Instant::now(),
         });
-        self.tally = Some(Tally::new(key, layout.clone(), index));
+        self.tally =
+            Some(Tally::new(key, layout.clone(), index).with_aggregate(self.cfg.aggregate));
         let to: Vec<(usize, PeerId)> = members
             .iter()
             .copied()

@@ -43,6 +43,7 @@
 
 mod actor;
 mod exchange;
+pub mod guard;
 pub mod plan;
 pub mod reduce;
 pub mod round;
@@ -52,7 +53,7 @@ pub mod spill;
 pub mod sync;
 pub mod updates;
 
-use crate::config::RunConfig;
+use crate::config::{AggregateKind, AveragingConfig, RunConfig};
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
 use crate::stage::service::StageService;
@@ -91,6 +92,65 @@ pub struct AveragerConfig {
     pub membership_every: Duration,
     /// Floats per chunk of the state this replica offers to joiners.
     pub state_chunk: usize,
+    /// How a reducer combines the members' copies of a chunk.
+    pub aggregate: reduce::Aggregate,
+    /// A member's chunk whose per-sample norm exceeds this multiple of the chunk's recent
+    /// median is rejected (0: no check).
+    pub max_norm_ratio: f64,
+    /// Makes this replica send corrupted parts: for tests of robust aggregation only (no
+    /// command-line flag sets it).
+    #[doc(hidden)]
+    pub tamper: Option<Tamper>,
+}
+
+/// How a [`Tamper`]ing replica corrupts its parts.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TamperKind {
+    /// Every value times this.
+    Scale(f32),
+    /// Every value NaN.
+    NaN,
+    /// Every value drawn uniformly from ±this.
+    Random(f32),
+}
+
+/// A replica that sends corrupted gradient parts from step `from_step` on (its frozen sum
+/// is replaced, so its own part is reduced from the corrupted copy too). Tests only.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tamper {
+    /// The first step corrupted.
+    pub from_step: u64,
+    /// How.
+    pub kind: TamperKind,
+}
+
+impl Tamper {
+    /// The corrupted copy of `sum` for step `step` (`None`: not corrupted at this step),
+    /// as raw f32 frames (an attacker picks its own codec; int8 would scrub NaN).
+    pub fn corrupt(
+        &self,
+        step: u64,
+        sum: &crate::stage::frozen::EncodedSum,
+    ) -> Option<crate::stage::frozen::EncodedSum> {
+        if step < self.from_step {
+            return None;
+        }
+        let mut rng = Rng::new(step ^ 0x7a3d);
+        let mut values = Vec::with_capacity(sum.len());
+        for c in 0..sum.len().div_ceil(sum.chunk().max(1)).max(1) {
+            values.extend(sum.decode(c as u32).ok()?);
+        }
+        for v in &mut values {
+            *v = match self.kind {
+                TamperKind::Scale(f) => *v * f,
+                TamperKind::NaN => f32::NAN,
+                TamperKind::Random(a) => a * (2.0 * rng.next_f64() as f32 - 1.0),
+            };
+        }
+        crate::stage::frozen::EncodedSum::encode(&values, sum.chunk(), &CodecSpec::F32).ok()
+    }
 }
 
 impl AveragerConfig {
@@ -104,6 +164,9 @@ impl AveragerConfig {
             round_timeout: Self::MIN_ROUND_TIMEOUT,
             membership_every: Duration::from_secs(2),
             state_chunk: sync::STATE_CHUNK,
+            aggregate: reduce::Aggregate::Mean,
+            max_norm_ratio: crate::config::AveragingConfig::MAX_NORM_RATIO,
+            tamper: None,
         }
     }
 
@@ -125,6 +188,15 @@ impl AveragerConfig {
         if let Some(f) = run.averaging.state_chunk_floats {
             c.state_chunk = f;
         }
+        let a = &run.averaging;
+        c.aggregate = match a.aggregate.unwrap_or_default() {
+            AggregateKind::Mean => reduce::Aggregate::Mean,
+            AggregateKind::CenteredClip => reduce::Aggregate::CenteredClip {
+                tau: a.clip_tau.unwrap_or(AveragingConfig::CLIP_TAU),
+                iters: a.clip_iters.unwrap_or(AveragingConfig::CLIP_ITERS),
+            },
+        };
+        c.max_norm_ratio = a.max_norm_ratio.unwrap_or(AveragingConfig::MAX_NORM_RATIO);
         c.round_timeout = match run.averaging.round_timeout_s {
             Some(s) => Duration::from_secs_f64(s),
             None => Self::round_timeout_for(numel, &c.codec),
@@ -163,6 +235,12 @@ pub struct AvgSnapshot {
     pub uplink: u64,
     /// Milliseconds of the latest rounds, oldest first.
     pub recent_rounds_ms: Vec<f64>,
+    /// Members' chunks rejected by the checks.
+    #[serde(default)]
+    pub rejected: u64,
+    /// Peers banned from the stage's rounds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub banned: Vec<guard::Banned>,
 }
 
 impl AvgStats {
@@ -187,6 +265,8 @@ impl AvgStats {
             bytes_sent: g(&self.bytes_sent),
             resyncs: g(&self.resyncs),
             replays: g(&self.replays),
+            rejected: g(&self.rejected),
+            banned: self.banned.lock().map(|b| b.clone()).unwrap_or_default(),
             uplink: g(&self.uplink),
             recent_rounds_ms: self
                 .recent_rounds_ms
@@ -222,6 +302,10 @@ pub struct AvgStats {
     pub recent_rounds_ms: std::sync::Mutex<std::collections::VecDeque<f64>>,
     /// Why the last state download failed, if it did.
     pub last_error: std::sync::Mutex<Option<String>>,
+    /// Members' chunks rejected (non-finite, outsized, or a non-finite reduced chunk).
+    pub rejected: AtomicU64,
+    /// The peers banned from this stage's rounds, as of the last change.
+    pub banned: std::sync::Mutex<Vec<guard::Banned>>,
 }
 
 /// A running averager. Dropping it stops the task.
@@ -278,6 +362,7 @@ impl Averager {
             stage: service.stage(),
             n: service.numel(),
             gradient_bytes: part_bytes as u64,
+            guard: guard::Guard::new(cfg.max_norm_ratio),
             cfg,
             client,
             service,

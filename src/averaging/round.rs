@@ -8,7 +8,7 @@
 //! whole part: a chunk of its own part is summed as soon as every member's copy of it
 //! arrived, and freed when its average is encoded.
 
-use super::reduce;
+use super::reduce::{self, Aggregate};
 use crate::model::optim::FlatSource;
 use crate::model::ModelError;
 use crate::wire::{self, Limits};
@@ -124,12 +124,48 @@ impl Layout {
     }
 }
 
-/// A chunk of this replica's part while members' copies of it arrive.
+/// A chunk of this replica's part while members' copies of it arrive: their running sum
+/// (the mean), or each member's mean gradient (CenteredClip).
 #[derive(Debug)]
 struct Partial {
     sum: Vec<f64>,
+    means: Vec<Vec<f32>>,
     from: Vec<bool>,
     count: u64,
+}
+
+impl Partial {
+    fn add(&mut self, aggregate: Aggregate, values: &[f32], count: u64) {
+        self.count += count;
+        match aggregate {
+            Aggregate::Mean => {
+                for (a, &x) in self.sum.iter_mut().zip(values) {
+                    *a += f64::from(x);
+                }
+            }
+            // A member without samples has no mean to weigh.
+            Aggregate::CenteredClip { .. } if count > 0 => {
+                let inv = 1.0 / count as f64;
+                self.means.push(
+                    values
+                        .iter()
+                        .map(|&x| (f64::from(x) * inv) as f32)
+                        .collect(),
+                );
+            }
+            Aggregate::CenteredClip { .. } => {}
+        }
+    }
+
+    fn result(&self, aggregate: Aggregate, len: usize) -> Vec<f32> {
+        match aggregate {
+            Aggregate::Mean => reduce::average(&self.sum, self.count),
+            Aggregate::CenteredClip { tau, iters } => {
+                let means: Vec<&[f32]> = self.means.iter().map(Vec::as_slice).collect();
+                reduce::centered_clip(&means, len, tau, iters)
+            }
+        }
+    }
 }
 
 /// What taking a member's chunk did.
@@ -163,6 +199,7 @@ pub struct Tally {
     reduced: Vec<Option<Arc<Vec<u8>>>>,
     missing: usize,
     total: Option<u64>,
+    aggregate: Aggregate,
 }
 
 impl Tally {
@@ -178,7 +215,14 @@ impl Tally {
             index,
             partial: HashMap::new(),
             total: None,
+            aggregate: Aggregate::Mean,
         }
+    }
+
+    /// Reduces with `aggregate` (the mean by default).
+    pub fn with_aggregate(mut self, aggregate: Aggregate) -> Self {
+        self.aggregate = aggregate;
+        self
     }
 
     /// The round attempt.
@@ -214,6 +258,22 @@ impl Tally {
         values: &[f32],
         own: (&[f32], u64),
     ) -> Taken {
+        self.take(from, c, Some((values, count)), own)
+    }
+
+    /// Member `from`'s copy of chunk `c` was rejected (it did not pass the checks): the
+    /// chunk is reduced without it.
+    pub fn exclude_part(&mut self, from: usize, c: u32, own: (&[f32], u64)) -> Taken {
+        self.take(from, c, None, own)
+    }
+
+    fn take(
+        &mut self,
+        from: usize,
+        c: u32,
+        part: Option<(&[f32], u64)>,
+        own: (&[f32], u64),
+    ) -> Taken {
         let k = self.layout.members();
         let Some(range) = self.layout.range(c) else {
             return Taken::Refused("no such chunk");
@@ -224,24 +284,29 @@ impl Tally {
         if !self.layout.chunks(self.index).contains(&c) {
             return Taken::Refused("a chunk of another part");
         }
-        if values.len() != range.len() || own.0.len() != range.len() {
+        if part.is_some_and(|(v, _)| v.len() != range.len()) || own.0.len() != range.len() {
             return Taken::Refused("a chunk of the wrong length");
         }
         if !self.open(c) {
             return Taken::Refused("chunk already reduced");
         }
-        let p = self.partial.entry(c).or_insert_with(|| Partial {
-            sum: own.0.iter().map(|&x| f64::from(x)).collect(),
-            from: vec![false; k],
-            count: own.1,
+        let aggregate = self.aggregate;
+        let p = self.partial.entry(c).or_insert_with(|| {
+            let mut p = Partial {
+                sum: vec![0.0; range.len()],
+                means: Vec::new(),
+                from: vec![false; k],
+                count: 0,
+            };
+            p.add(aggregate, own.0, own.1);
+            p
         });
         if p.from[from] {
             return Taken::Refused("a member's chunk twice");
         }
         p.from[from] = true;
-        p.count += count;
-        for (a, &x) in p.sum.iter_mut().zip(values) {
-            *a += f64::from(x);
+        if let Some((values, count)) = part {
+            p.add(aggregate, values, count);
         }
         if p.from.iter().filter(|&&f| f).count() + 1 < k {
             return Taken::Waiting;
@@ -252,7 +317,7 @@ impl Tally {
         self.close(c);
         Taken::Reduced {
             chunk: c,
-            avg: reduce::average(&p.sum, p.count),
+            avg: p.result(aggregate, range.len()),
             total: p.count,
         }
     }
@@ -403,139 +468,5 @@ impl FlatSource for Frames {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::wire::CodecSpec;
-
-    fn frame(values: &[f32]) -> Arc<Vec<u8>> {
-        let mut f = Vec::new();
-        wire::encode_f32(&[values.len()], values, &CodecSpec::F32, &mut f).unwrap();
-        Arc::new(f)
-    }
-
-    #[test]
-    fn a_layout_cuts_the_gradient_into_chunks_and_the_chunks_into_parts() {
-        let l = Layout::new(25, 3, 4);
-        // Seven chunks (six of 4 floats, one of 1), parts of 3, 2 and 2 chunks.
-        assert_eq!(l.count(), 7);
-        assert_eq!((l.chunks(0), l.chunks(1), l.chunks(2)), (0..3, 3..5, 5..7));
-        assert_eq!(l.range(2), Some(8..12));
-        assert_eq!(l.range(6), Some(24..25));
-        assert_eq!(l.range(7), None);
-        assert_eq!((l.owner(4), l.owner(7)), (Some(1), None));
-        assert_eq!(l.chunks(3), 0..0);
-        let mut seen = [0; 25];
-        for p in 0..3 {
-            for c in l.chunks(p) {
-                for i in l.range(c).unwrap() {
-                    seen[i] += 1;
-                }
-            }
-        }
-        assert!(seen.iter().all(|&s| s == 1));
-        // Chunks do not depend on the members: a retry with other members sends the same
-        // frames.
-        let two = Layout::new(25, 2, 4);
-        assert!((0..7).all(|c| two.range(c) == l.range(c)));
-        // More members than chunks: some parts have none.
-        let tiny = Layout::new(1, 2, 4);
-        assert_eq!((tiny.chunks(0), tiny.chunks(1)), (0..1, 1..1));
-        assert_eq!(Layout::new(0, 2, 4).range(0), Some(0..0));
-    }
-
-    #[test]
-    fn chunks_are_sized_by_the_gradient_alone() {
-        assert_eq!(chunk_for(0), MIN_CHUNK);
-        assert_eq!(chunk_for(5_000), MIN_CHUNK);
-        assert_eq!(chunk_for(200_000), 12_500);
-        assert_eq!(chunk_for(1 << 30), PART_CHUNK);
-    }
-
-    #[test]
-    fn a_chunk_is_reduced_when_every_member_sent_it_and_not_twice() {
-        // Three members, this replica is member 1: its part is chunk 1, values 3..6.
-        let l = Layout::new(9, 3, 3);
-        let mut t = Tally::new((4, 9), l, 1);
-        let own = [3.0f32, 3.0, 3.0];
-        assert_eq!(
-            t.add_part(0, 1, 2, &[1.0, 2.0, 3.0], (&own, 1)),
-            Taken::Waiting
-        );
-        assert!(matches!(
-            t.add_part(0, 1, 2, &[1.0, 2.0, 3.0], (&own, 1)),
-            Taken::Refused(_)
-        ));
-        assert!(matches!(
-            t.add_part(2, 1, 1, &[1.0], (&own, 1)),
-            Taken::Refused(_)
-        ));
-        assert!(matches!(
-            t.add_part(2, 0, 1, &[1.0; 3], (&own, 1)),
-            Taken::Refused("a chunk of another part")
-        ));
-        assert!(matches!(
-            t.add_part(1, 1, 1, &[1.0; 3], (&own, 1)),
-            Taken::Refused(_)
-        ));
-        assert_eq!(
-            t.add_part(2, 1, 1, &[4.0, 3.0, 2.0], (&own, 1)),
-            Taken::Reduced {
-                chunk: 1,
-                avg: vec![2.0, 2.0, 2.0],
-                total: 4
-            }
-        );
-        assert!(matches!(
-            t.add_part(2, 1, 1, &[4.0, 3.0, 2.0], (&own, 1)),
-            Taken::Refused(_)
-        ));
-        assert_eq!(t.counts(), (0, 3));
-    }
-
-    #[test]
-    fn the_gradient_is_assembled_once_every_reduced_chunk_is_in() {
-        // Chunks 0..2, 2..4, 4..5; part 0 has chunks 0 and 1, part 1 chunk 2.
-        let l = Layout::new(5, 2, 2);
-        let mut t = Tally::new((1, 1), l, 0);
-        assert!(t.add_reduced(1, 2, frame(&[5.0]), 6));
-        assert!(!t.add_reduced(1, 2, frame(&[5.0]), 6), "duplicate");
-        assert!(!t.add_reduced(0, 0, frame(&[1.0]), 6), "wrong length");
-        assert!(!t.add_reduced(0, 0, frame(&[1.0, 2.0]), 7), "other total");
-        assert!(!t.add_reduced(0, 5, frame(&[1.0, 2.0]), 6), "no such chunk");
-        assert!(!t.add_reduced(1, 0, frame(&[1.0, 2.0]), 6), "not its part");
-        assert!(t.add_reduced(0, 0, frame(&[1.0, 2.0]), 6));
-        assert!(!t.complete());
-        assert!(t.take_reduced().is_none());
-        assert!(t.add_reduced(0, 1, frame(&[3.0, 4.0]), 6));
-        let (chunks, total) = t.take_reduced().unwrap();
-        assert_eq!(total, 6);
-        assert!(Frames::new(chunks[1..].to_vec(), 5).is_err(), "a gap");
-        let f = Frames::new(chunks, 5).unwrap();
-        assert_eq!(f.read(0..5).unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0]);
-        // Ranges across chunk boundaries, in any order.
-        assert_eq!(f.read(3..5).unwrap(), vec![4.0, 5.0]);
-        assert_eq!(f.read(1..4).unwrap(), vec![2.0, 3.0, 4.0]);
-        assert_eq!(f.read(2..2).unwrap(), Vec::<f32>::new());
-        assert!(f.read(4..6).is_err());
-    }
-
-    #[test]
-    fn a_round_of_one_reduces_its_own_sum() {
-        let l = Layout::new(3, 1, 2);
-        let mut t = Tally::new((0, 1), l, 0);
-        let own = [2.0f32, 4.0, 6.0];
-        let r = t.reduce_alone(1, (&own[2..], 2));
-        assert_eq!(
-            r,
-            Taken::Reduced {
-                chunk: 1,
-                avg: vec![3.0],
-                total: 2
-            }
-        );
-        assert!(matches!(
-            t.reduce_alone(1, (&own[2..], 2)),
-            Taken::Refused(_)
-        ));
-    }
-}
+#[path = "round_tests.rs"]
+mod tests;

@@ -4,8 +4,10 @@
 //! or [`RunConfig::load`] is internally consistent (heads divide the width, stage cuts are
 //! in range, codecs parse). Every field has a documented default so configs stay short.
 
+mod averaging;
 mod model;
 
+pub use averaging::{AggregateKind, AveragingConfig};
 pub use model::{Family, InitScheme, ModelConfig};
 
 use crate::wire::CodecSpec;
@@ -224,31 +226,6 @@ pub struct RunConfig {
     pub averaging: AveragingConfig,
 }
 
-/// How the replicas of a stage average. Every knob is optional: the defaults scale with
-/// the stage (see `AveragerConfig::for_run` in the averaging layer).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AveragingConfig {
-    /// Seconds a round attempt may take before it is abandoned and retried (default: 5,
-    /// or four times the time the stage's gradient parts take over a 100 Mbit/s link).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub round_timeout_s: Option<f64>,
-    /// Milliseconds between progress heartbeats (default 300); a replica silent for ten
-    /// heartbeats is taken for dead.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub heartbeat_ms: Option<u64>,
-    /// Floats per chunk of a state download (default 262144, 1 MiB). Smaller chunks mean
-    /// more calls; tests use them to make many chunks of a small state.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub state_chunk_floats: Option<usize>,
-}
-
-impl AveragingConfig {
-    fn is_default(&self) -> bool {
-        *self == Self::default()
-    }
-}
-
 fn d_seed() -> u64 {
     1
 }
@@ -435,27 +412,7 @@ impl RunConfig {
     /// Checks that the values are consistent.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        if let Some(t) = self.averaging.round_timeout_s {
-            if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
-                return bad(format!(
-                    "averaging.round_timeout_s must be in (0, 86400] seconds, got {t}"
-                ));
-            }
-        }
-        if let Some(c) = self.averaging.state_chunk_floats {
-            if !(1..=(16 << 20)).contains(&c) {
-                return bad(format!(
-                    "averaging.state_chunk_floats must be in 1..=16777216, got {c}"
-                ));
-            }
-        }
-        if let Some(h) = self.averaging.heartbeat_ms {
-            if !(10..=60_000).contains(&h) {
-                return bad(format!(
-                    "averaging.heartbeat_ms must be in 10..=60000, got {h}"
-                ));
-            }
-        }
+        self.averaging.validate().map_err(ConfigError::Invalid)?;
         let m = &self.model;
         m.validate(self.stages.count)
             .map_err(ConfigError::Invalid)?;

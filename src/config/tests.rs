@@ -67,15 +67,27 @@ fn averaging_knobs_are_optional_and_checked() -> TestResult {
     let cfg = RunConfig::from_toml(&set, "x.toml")?;
     assert_eq!(cfg.averaging.round_timeout_s, Some(60.0));
     assert_eq!(cfg.averaging.heartbeat_ms, Some(500));
+    let cc = format!("{base}\n[averaging]\naggregate = \"centered_clip\"\nclip_tau = 2.0\n");
+    let cfg = RunConfig::from_toml(&cc, "x.toml")?;
+    assert_eq!(cfg.averaging.aggregate, Some(AggregateKind::CenteredClip));
+    assert_eq!(cfg.averaging.clip_tau, Some(2.0));
     for bad in [
         "round_timeout_s = 0.0",
         "round_timeout_s = -1.0",
         "heartbeat_ms = 1",
+        "aggregate = \"median\"",
+        "clip_tau = 0.0",
+        "clip_iters = 0",
+        "max_norm_ratio = 0.5",
     ] {
         let text = format!("{base}\n[averaging]\n{bad}\n");
         match RunConfig::from_toml(&text, "x.toml") {
             Ok(_) => panic!("{bad} was accepted"),
-            Err(err) => assert!(err.to_string().contains("averaging."), "{bad}: {err}"),
+            // A range error names the knob; serde's names the values it accepts.
+            Err(err) => assert!(
+                err.to_string().contains("averaging.") || err.to_string().contains("centered_clip"),
+                "{bad}: {err}"
+            ),
         }
     }
     Ok(())

@@ -181,8 +181,22 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
 /// forward only (nothing is accumulated), the loss computed here from the last stage's
 /// logits. Uses the highest-throughput replica of each stage.
 pub async fn evaluate(net: &NetHandle, m: &Manifest, batches: usize) -> Result<f64, ProbeError> {
-    let cfg = &m.config;
     let peers = route(net, m).await?;
+    evaluate_on(net, m, &peers, batches).await
+}
+
+/// [`evaluate`] through the given replicas, one per stage in stage order (dialable: their
+/// addresses known to `net`).
+pub async fn evaluate_on(
+    net: &NetHandle,
+    m: &Manifest,
+    peers: &[PeerId],
+    batches: usize,
+) -> Result<f64, ProbeError> {
+    let cfg = &m.config;
+    if peers.len() != cfg.stages.count {
+        return Err(ProbeError::NoReplica(peers.len().min(cfg.stages.count)));
+    }
     let source = TokenSource::open(cfg)?;
     let mut sampler = Sampler::eval(cfg.training.data_seed);
     let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);

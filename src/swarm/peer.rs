@@ -109,6 +109,10 @@ pub struct PeerConfig {
     /// Recompute a kept forward older than the last update (gradients at most one step
     /// stale); off only in benchmarks ([`crate::stage::replica::Replica::with_staleness_bound`]).
     pub bound_staleness: bool,
+    /// Makes this peer's replica send corrupted gradient parts: tests of robust
+    /// aggregation only (no command-line flag sets it).
+    #[doc(hidden)]
+    pub tamper: Option<crate::averaging::Tamper>,
 }
 
 impl PeerConfig {
@@ -150,6 +154,7 @@ impl PeerConfig {
             sim_slowdown: 1.0,
             kept_forwards: crate::stage::replica::KEPT_CAP,
             bound_staleness: true,
+            tamper: None,
         }
     }
 }

@@ -330,7 +330,9 @@ impl Ctx {
     }
 
     fn avg_config(&self, numel: usize) -> AveragerConfig {
-        AveragerConfig::for_run(&self.manifest.config, numel)
+        let mut c = AveragerConfig::for_run(&self.manifest.config, numel);
+        c.tamper = self.cfg.tamper;
+        c
     }
 
     /// Leaves a stage gracefully and returns its service (closed) for a checkpoint.
