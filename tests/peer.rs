@@ -571,13 +571,50 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
     assert_eq!(r.0.error.map(|e| e.kind), Some(ErrorKind::BadRequest));
     check_alive().await;
 
+    // 6. Checked before anything is read: a request of another run announcing a 100 MiB
+    //    frame, a frame of 100 MiB (under the old global cap, far over this run's largest
+    //    tensor), and a frame header of the wrong shape, none followed by a payload, are
+    //    answered at once with their reason (a reader that waited for the payload would see
+    //    the stream end and answer nothing).
+    let mut stranger = req(1);
+    stranger.run = "f".repeat(32);
+    let mut bytes = header_bytes(&stranger);
+    bytes.extend_from_slice(&(100u64 << 20).to_le_bytes());
+    assert_eq!(
+        response_kind(&raw(&c, pid, &bytes).await),
+        Some(ErrorKind::UnknownRun)
+    );
+    let mut bytes = header_bytes(&req(1));
+    bytes.extend_from_slice(&(100u64 << 20).to_le_bytes());
+    assert_eq!(
+        response_kind(&raw(&c, pid, &bytes).await),
+        Some(ErrorKind::TooLarge)
+    );
+    let mut frame = Vec::new();
+    shoal::wire::encode_f32(
+        &[2, 8, d + 1],
+        &vec![0.0; 16 * (d + 1)],
+        &CodecSpec::F32,
+        &mut frame,
+    )
+    .unwrap();
+    let hlen = shoal::wire::header_len(&frame).unwrap();
+    let mut bytes = header_bytes(&req(1));
+    bytes.extend_from_slice(&(frame.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&frame[..hlen]);
+    assert_eq!(
+        response_kind(&raw(&c, pid, &bytes).await),
+        Some(ErrorKind::BadTensor)
+    );
+    check_alive().await;
+
     let refused = p
         .service()
         .unwrap()
         .counters()
         .refused
         .load(std::sync::atomic::Ordering::Relaxed);
-    assert!(refused >= 6, "refused {refused}");
+    assert!(refused >= 9, "refused {refused}");
     p.stop().await.unwrap();
 }
 

@@ -1000,15 +1000,22 @@ async fn centered_clip_keeps_one_bad_replica_of_four_from_ruining_the_run() {
         !ruined.is_finite() || ruined > 1.05 * honest,
         "x-1000 parts did no damage to the mean: {ruined:.4} vs {honest:.4}"
     );
-    // CenteredClip alone (norm check off) against scaled and random parts. (NaN parts are
-    // rejected whatever the aggregate — unit tests of the guard and the tally — but the
-    // ban that follows stalls the rounds for a while: not asserted here yet.)
-    for kind in [TamperKind::Scale(-1000.0), TamperKind::Random(1.0)] {
-        let (loss, rejected) = robust_run(AggregateKind::CenteredClip, false, Some(kind)).await;
+    // CenteredClip alone (norm check off) against scaled and random parts; NaN parts are
+    // rejected whatever the aggregate, and their sender banned from the rounds.
+    for (kind, norm_check) in [
+        (TamperKind::Scale(-1000.0), false),
+        (TamperKind::Random(1.0), false),
+        (TamperKind::NaN, true),
+    ] {
+        let (loss, rejected) =
+            robust_run(AggregateKind::CenteredClip, norm_check, Some(kind)).await;
         eprintln!("centered_clip under {kind:?}: {loss:.4} ({rejected} chunks rejected)");
         assert!(
             loss <= 1.05 * honest,
             "centered_clip under {kind:?}: eval {loss:.4} vs honest {honest:.4}"
         );
+        if kind == TamperKind::NaN {
+            assert!(rejected > 0, "NaN parts were not rejected");
+        }
     }
 }

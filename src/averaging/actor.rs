@@ -182,7 +182,10 @@ impl State {
         self.debug(|| format!("rejected a chunk of {peer}: {why}"));
         let now = Instant::now();
         if self.guard.strike(peer, key, why, now) {
-            self.views.remove(&peer);
+            // What it held is lost to the step, as if it had left.
+            if let Some(v) = self.views.remove(&peer) {
+                self.left_lost += v.count + v.frozen;
+            }
             self.debug(|| format!("banned {peer}"));
             // Its part of a running round will not be heard: retry without it now.
             if self

@@ -143,7 +143,8 @@ pub fn round_timeout(
 ///
 /// - Behind (a live replica at a later step, or the leader's hash differs at this step)
 ///   for two heartbeats: resync from the replicas at the highest step (or the leader).
-/// - The leader, once the live replicas at its step hold `target` samples: waits up to
+/// - The leader, once the live replicas at its step hold `target` samples (any, to retry an
+///   abandoned attempt whose samples are frozen): waits up to
 ///   five heartbeats for replicas that are catching up (and, just after start, for every
 ///   known replica to be heard from), then leads a round of the replicas at its step.
 pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decision, Timers) {
@@ -193,7 +194,11 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
         return (Decision::Wait, timers);
     }
     let total = mine.pending_at(s) + same.iter().map(|(_, v)| v.pending_at(s)).sum::<u64>();
-    if total < cfg.target.max(1) {
+    // Samples frozen for an abandoned attempt: the step's batch was full when its first
+    // attempt began, so a retry goes ahead with what the live members hold (the rest went
+    // with replicas that died or were banned, and later samples count toward the next step).
+    let retry = mine.frozen > 0 || same.iter().any(|(_, v)| v.frozen > 0);
+    if total < if retry { 1 } else { cfg.target.max(1) } {
         timers.ready_since = None;
         return (Decision::Wait, timers);
     }

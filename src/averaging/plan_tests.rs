@@ -124,6 +124,12 @@ fn no_round_below_the_target() {
     assert_eq!(w.timers.ready_since, None);
     w.hear(p[1], view(3, 22, "h", now));
     assert!(matches!(w.decide(now, &c), Decision::Lead { .. }));
+    // A retry: samples frozen for an abandoned attempt (a member with the rest of the
+    // batch died or was banned) are averaged without waiting for a full batch.
+    let mut w = World::new(p[0], view(3, 0, "h", now), t0);
+    w.mine.frozen = 10;
+    w.hear(p[1], view(3, 2, "h", now));
+    assert!(matches!(w.decide(now, &c), Decision::Lead { .. }));
 }
 
 #[test]

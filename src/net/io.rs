@@ -5,8 +5,9 @@
 //! its buffer as bytes actually arrive, so a peer that announces 256 MiB and sends nothing
 //! costs one chunk of memory, not 256 MiB.
 
+use crate::wire::header::PREFIX_LEN;
 use crate::wire::msg::{self, MsgError};
-use crate::wire::Limits;
+use crate::wire::{header_len, parse_header, Header, Limits, WireError};
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use serde::Serialize;
 
@@ -32,6 +33,13 @@ pub enum IoError {
         /// The limit.
         limit: u64,
     },
+    /// A frame's header does not parse or is over the limits; its payload was not read.
+    #[error("tensor frame: {0}")]
+    Frame(#[from] WireError),
+    /// A frame's header parses but is not what the request may carry (dtype, rank, a
+    /// dimension); its payload was not read.
+    #[error("tensor frame: {0}")]
+    Unexpected(String),
 }
 
 /// Writes a header and its frames, then flushes.
@@ -124,4 +132,49 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
 ) -> Result<Vec<u8>, IoError> {
     let len = read_frame_len(r, limits).await?;
     read_frame_body(r, len).await
+}
+
+/// Reads one length-prefixed frame whose header is parsed against `limits` and checked
+/// with `check` before a byte of its payload is read: a frame of the wrong dtype or shape,
+/// or over the limits, costs its header's bytes, not its payload's.
+pub async fn read_frame_checked<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+    check: impl FnOnce(&Header) -> Result<(), String>,
+) -> Result<Vec<u8>, IoError> {
+    let len = read_frame_len(r, limits).await?;
+    if len < PREFIX_LEN {
+        return Err(WireError::Truncated {
+            needed: PREFIX_LEN as u64,
+            have: len as u64,
+        }
+        .into());
+    }
+    let mut buf = vec![0u8; PREFIX_LEN];
+    r.read_exact(&mut buf).await?;
+    let hlen = header_len(&buf)?;
+    if hlen > len {
+        return Err(WireError::Truncated {
+            needed: hlen as u64,
+            have: len as u64,
+        }
+        .into());
+    }
+    buf.resize(hlen, 0);
+    r.read_exact(&mut buf[PREFIX_LEN..]).await?;
+    let (h, _) = parse_header(&buf, limits)?;
+    if h.frame_len() != len as u64 {
+        return Err(IoError::Unexpected(format!(
+            "the frame is {len} bytes, its header says {}",
+            h.frame_len()
+        )));
+    }
+    check(&h).map_err(IoError::Unexpected)?;
+    while buf.len() < len {
+        let start = buf.len();
+        let n = (len - start).min(CHUNK.max(start));
+        buf.resize(start + n, 0);
+        r.read_exact(&mut buf[start..]).await?;
+    }
+    Ok(buf)
 }

@@ -1,29 +1,49 @@
-//! One inbound stream of the stage protocol: read each request under a timeout with every
-//! length checked before allocating, check it (run, stage, step, tensor count), hand it to
-//! the compute queue or the registered [`Extension`](super::Extension), write the answer.
+//! One inbound stream of the stage protocol: read each request under a timeout, its header
+//! checked (run, stage, step, tensor count) before any frame is read and each frame's header
+//! checked (dtype, shape, the run's limits) before its payload is read; hand it to the
+//! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
 use super::{lock, worker, Refusal, Reply, Shared, MAX_STALENESS};
 use crate::net::io::{self as netio, IoError};
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
-use crate::wire::Limits;
+use crate::wire::WireError;
 use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::PeerId;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A request read whole, or refused after its header (its frames unread).
+enum Read {
+    Whole(Request, Vec<Vec<u8>>),
+    Refused(Reply),
+}
+
+/// Reads a request: its header, which is checked (run, stage, step, tensor count) before
+/// any frame is read; then each frame, whose header is checked against what the request
+/// kind carries in this run before its payload is read.
 async fn read_request(
+    shared: &Shared,
     stream: &mut libp2p::Stream,
-    limits: &Limits,
     len: [u8; 4],
-) -> Result<(Request, Vec<Vec<u8>>), IoError> {
+) -> Result<Read, IoError> {
     let head = netio::read_header_after(stream, len).await?;
     let req = msg::decode_request(&head)?;
-    let mut frames = Vec::with_capacity(req.tensors as usize);
-    for _ in 0..req.tensors {
-        frames.push(netio::read_frame(stream, limits).await?);
+    if let Some(r) = check(shared, &req) {
+        return Ok(Read::Refused(r));
     }
-    Ok((req, frames))
+    let wants = shared.expect.wants(req.op);
+    let mut frames = Vec::with_capacity(req.tensors as usize);
+    for i in 0..req.tensors as usize {
+        let want = wants.get(i).copied();
+        let frame = netio::read_frame_checked(stream, &shared.cfg.limits, |h| match want {
+            Some(w) => shared.expect.check(w, h),
+            None => Err(format!("{:?} carries no tensor {i}", req.op)),
+        })
+        .await?;
+        frames.push(frame);
+    }
+    Ok(Read::Whole(req, frames))
 }
 
 /// How long a caller may take to read its answer before the stream is dropped.
@@ -104,11 +124,8 @@ async fn serve_one(
         return false;
     };
     let t_read = Instant::now();
-    let read = tokio::time::timeout(
-        shared.cfg.read_timeout,
-        read_request(stream, &shared.cfg.limits, len),
-    )
-    .await;
+    let read =
+        tokio::time::timeout(shared.cfg.read_timeout, read_request(shared, stream, len)).await;
     let read_us = t_read.elapsed().as_micros() as u64;
     // The permit bounds requests being read; once read, a call waits in the queue, whose
     // own cap bounds it.
@@ -126,19 +143,23 @@ async fn serve_one(
         }
         Ok(Err(e)) => {
             let kind = match e {
-                IoError::FrameTooLarge { .. } => ErrorKind::TooLarge,
+                IoError::FrameTooLarge { .. }
+                | IoError::Frame(WireError::TooLarge { .. } | WireError::TooManyElements { .. }) => {
+                    ErrorKind::TooLarge
+                }
+                IoError::Frame(_) | IoError::Unexpected(_) => ErrorKind::BadTensor,
                 _ => ErrorKind::BadRequest,
             };
             let r = refusal(shared, kind, e.to_string());
             respond(stream, &r).await;
             return false;
         }
-        Ok(Ok(x)) => x,
+        Ok(Ok(Read::Refused(r))) => {
+            respond(stream, &r).await;
+            return false;
+        }
+        Ok(Ok(Read::Whole(req, frames))) => (req, frames),
     };
-    if let Some(r) = check(shared, &req) {
-        respond(stream, &r).await;
-        return false;
-    }
     let op = req.op;
     let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
     let draining = shared.draining.load(Ordering::Relaxed);

@@ -17,6 +17,7 @@
 
 mod conn;
 pub mod counters;
+pub mod expect;
 mod worker;
 
 pub use counters::{CounterSnapshot, Counters, ReplicaStatus};
@@ -48,7 +49,8 @@ pub struct ServiceConfig {
     /// Streams that may be reading their request at once; more wait (up to
     /// `read_timeout`) for their turn.
     pub max_readers: usize,
-    /// Bounds on every tensor frame.
+    /// Bounds on every tensor frame (tightened at start to the largest tensor the run
+    /// sends a replica).
     pub limits: Limits,
     /// How long a caller may take to send its request.
     pub read_timeout: Duration,
@@ -119,6 +121,8 @@ pub trait Extension: Send + Sync {
 struct Shared {
     run: String,
     stage: u32,
+    /// What requests of this stage carry.
+    expect: expect::Expect,
     queue: AtomicU32,
     cfg: ServiceConfig,
     /// Taken when the service is dropped, so the compute thread sees the queue close.
@@ -199,9 +203,15 @@ impl StageService {
             )
         };
         let (tx, rx) = mpsc::channel(cfg.queue_cap.max(1));
+        let expect = expect::Expect::of(&manifest.config, stage as usize);
+        let mut cfg = cfg;
+        let run_limits = expect.limits();
+        cfg.limits.max_elements = cfg.limits.max_elements.min(run_limits.max_elements);
+        cfg.limits.max_bytes = cfg.limits.max_bytes.min(run_limits.max_bytes);
         let shared = Arc::new(Shared {
             run: manifest.id.clone(),
             stage,
+            expect,
             queue: AtomicU32::new(0),
             readers: Arc::new(Semaphore::new(cfg.max_readers.max(1))),
             cfg,
