@@ -25,6 +25,7 @@ fn ann(run: &str, peer: &str, now: u64) -> Announcement {
         params_hash: "00ff".into(),
         issued_ms: now,
         expires_ms: now + 30_000,
+        banned: Vec::new(),
     }
 }
 

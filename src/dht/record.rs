@@ -74,7 +74,24 @@ pub struct Announcement {
     pub issued_ms: u64,
     /// Unix ms after which readers ignore it.
     pub expires_ms: u64,
+    /// Replicas of its stage it has banned from its rounds (bad gradients), with why; at
+    /// most [`MAX_BANNED`]. Trainers avoid a replica that half its stage mates banned.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub banned: Vec<BanNote>,
 }
+
+/// A banned replica as an announcement names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BanNote {
+    /// Its peer id.
+    pub peer: String,
+    /// Why (at most 120 bytes).
+    pub reason: String,
+}
+
+/// Banned replicas an announcement names at most.
+pub const MAX_BANNED: usize = 8;
 
 impl Announcement {
     /// The JSON value stored in the DHT.
@@ -118,6 +135,14 @@ impl Announcement {
         }
         if self.device.len() > 64 || self.params_hash.len() > 64 {
             return bad("announcement device or hash too long");
+        }
+        if self.banned.len() > MAX_BANNED
+            || self
+                .banned
+                .iter()
+                .any(|b| b.peer.len() > 64 || b.reason.len() > 120)
+        {
+            return bad("announcement names too many banned peers, or too long");
         }
         if self.expires_ms < self.issued_ms || self.expires_ms - self.issued_ms > MAX_TTL_MS {
             return bad("announcement lifetime is negative or over 10 minutes");

@@ -178,3 +178,17 @@ pub async fn read_frame_checked<R: AsyncRead + Unpin>(
     }
     Ok(buf)
 }
+
+/// Reads a response: its header, then its frames (each length checked before it is read).
+pub async fn read_response<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+) -> Result<(msg::Response, Vec<Vec<u8>>), IoError> {
+    let head = read_header(r).await?;
+    let header = msg::decode_response(&head)?;
+    let mut out = Vec::with_capacity(header.tensors as usize);
+    for _ in 0..header.tensors {
+        out.push(read_frame(r, limits).await?);
+    }
+    Ok((header, out))
+}

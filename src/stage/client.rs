@@ -8,7 +8,7 @@ use super::{tensor, STAGE_PROTOCOL};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
 use crate::wire::msg::{
-    self, AvgMsg, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, MSG_VERSION,
+    AvgMsg, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, MSG_VERSION,
 };
 use crate::wire::{CodecSpec, Limits, WireError};
 use candle_core::{Device, Tensor};
@@ -493,15 +493,7 @@ async fn exchange_on(
             }
             Ok::<_, IoError>(())
         };
-        let read = async {
-            let head = netio::read_header(&mut r).await?;
-            let header = msg::decode_response(&head)?;
-            let mut out = Vec::with_capacity(header.tensors as usize);
-            for _ in 0..header.tensors {
-                out.push(netio::read_frame(&mut r, limits).await?);
-            }
-            Ok::<_, IoError>((header, out))
-        };
+        let read = netio::read_response(&mut r, limits);
         tokio::pin!(write, read);
         let mut write_err = None;
         let mut writing = true;

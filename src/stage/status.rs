@@ -114,6 +114,9 @@ pub fn render(runs: &[RunView]) -> String {
                     "    {}  {:<8} {:>9.1} samples/s  queue {}/{}  step {}  params {}\n",
                     a.peer, a.device, a.samples_per_s, a.queue, a.queue_cap, a.step, a.params_hash
                 ));
+                for b in &a.banned {
+                    out.push_str(&format!("      banned {}: {}\n", b.peer, b.reason));
+                }
             }
         }
     }
@@ -123,4 +126,46 @@ pub fn render(runs: &[RunView]) -> String {
 /// The JSON form (`--json`).
 pub fn to_json(runs: &[RunView]) -> String {
     serde_json::to_string_pretty(&serde_json::json!({ "runs": runs })).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dht::record::{BanNote, ANN_VERSION};
+
+    #[test]
+    fn the_table_names_the_peers_a_replica_banned_and_why() {
+        let ann = |peer: &str, banned: Vec<BanNote>| Announcement {
+            v: ANN_VERSION,
+            run: "ab".repeat(16),
+            peer: peer.into(),
+            addrs: Vec::new(),
+            stage: 0,
+            stages: 1,
+            step: 4,
+            samples_per_s: 10.0,
+            device: "cpu".into(),
+            queue: 0,
+            queue_cap: 8,
+            params_hash: "00".into(),
+            issued_ms: 0,
+            expires_ms: 1,
+            banned,
+        };
+        let note = BanNote {
+            peer: "bad".into(),
+            reason: "part chunk 3: value 0 of the chunk is NaN".into(),
+        };
+        let v = view(
+            &"ab".repeat(16),
+            1,
+            vec![ann("good", vec![note]), ann("bad", vec![])],
+        );
+        let text = render(&[v]);
+        assert!(
+            text.contains("banned bad: part chunk 3: value 0 of the chunk is NaN"),
+            "{text}"
+        );
+        assert_eq!(text.matches("banned").count(), 1, "{text}");
+    }
 }

@@ -292,6 +292,7 @@ impl Ctx {
             samples_per_s,
         });
         let refresh = Refresh {
+            avg: Arc::clone(averager.stats()),
             net: self.net.clone(),
             service: Arc::clone(&service),
             manifest: manifest.clone(),
@@ -471,6 +472,7 @@ pub(super) async fn rebalance_loop(
 }
 
 pub(super) struct Refresh {
+    avg: Arc<crate::averaging::AvgStats>,
     net: NetHandle,
     service: Arc<StageService>,
     manifest: Manifest,
@@ -503,6 +505,20 @@ impl Refresh {
             params_hash: self.service.params_hash().to_string(),
             issued_ms: now,
             expires_ms: now + self.ttl.as_millis() as u64,
+            banned: self
+                .avg
+                .banned
+                .lock()
+                .map(|b| {
+                    b.iter()
+                        .take(dht::record::MAX_BANNED)
+                        .map(|b| dht::record::BanNote {
+                            peer: b.peer.clone(),
+                            reason: b.reason.chars().take(100).collect(),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
         };
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());

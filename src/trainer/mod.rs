@@ -226,7 +226,16 @@ async fn refresh(ctx: &Ctx) {
     let mut fresh: Table = Vec::with_capacity(ctx.stages);
     for anns in per_stage {
         let mut row = Vec::new();
-        for a in anns {
+        for a in &anns {
+            // A replica half its stage mates (at least one) banned from their rounds sends
+            // bad gradients: its work would be lost, or worse.
+            let banners = anns
+                .iter()
+                .filter(|o| o.peer != a.peer && o.banned.iter().any(|b| b.peer == a.peer))
+                .count();
+            if banners > 0 && 2 * banners >= anns.len() - 1 {
+                continue;
+            }
             let Ok(peer) = a.peer.parse::<PeerId>() else {
                 continue;
             };
