@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-60}
 SHOAL_FUZZ_SECS=$SECS cargo test --release --test fuzz -- --nocapture --test-threads 1 fuzz_ 2>&1 |
-  grep -E '^fuzz |panicked|test result'
+  grep -oE 'fuzz [a-z]+: .*crashes|panicked.*|test result.*'

@@ -311,7 +311,7 @@ impl StageClient {
         let f = frames
             .first()
             .ok_or_else(|| CallError::Protocol("forward reply has no tensor".into()))?;
-        let out = tensor::decode(f, &self.limits, &self.device)?.tensor;
+        let out = finite_reply(tensor::decode(f, &self.limits, &self.device)?, "forward")?;
         self.count_raw(&[input, &out]);
         Ok((out, header.step))
     }
@@ -336,7 +336,10 @@ impl StageClient {
             .call(peer, &req, &[frames[0].as_slice(), frames[1].as_slice()])
             .await?;
         let grad_input = match frames.first() {
-            Some(f) => Some(tensor::decode(f, &self.limits, &self.device)?.tensor),
+            Some(f) => Some(finite_reply(
+                tensor::decode(f, &self.limits, &self.device)?,
+                "backward",
+            )?),
             None => None,
         };
         self.count_raw(&[input, upstream]);
@@ -435,6 +438,18 @@ impl StageClient {
     pub async fn info(&self, peer: PeerId, stage: usize) -> Result<Response, CallError> {
         let req = self.request(stage, 0, 0, Op::Info, 0);
         Ok(self.call(peer, &req, &[]).await?.0)
+    }
+}
+
+/// A reply's tensor, refused when it holds NaN or ±inf: a replica that answers with those
+/// is broken or hostile, and its answer would poison everything downstream.
+fn finite_reply(d: tensor::Decoded, what: &str) -> Result<Tensor, CallError> {
+    if d.finite {
+        Ok(d.tensor)
+    } else {
+        Err(CallError::Protocol(format!(
+            "{what} reply holds NaN or infinite values"
+        )))
     }
 }
 

@@ -312,9 +312,7 @@ async fn run(
 
 fn fail(ctx: &Ctx, n: u64, reason: String) {
     ctx.stats.failed.fetch_add(n, Ordering::Relaxed);
-    if let Ok(mut f) = ctx.stats.failures.lock() {
-        *f.entry(reason).or_default() += n;
-    }
+    TrainerStats::bump(&ctx.stats.failures, &reason, n);
 }
 
 /// The backwards a microbatch owes the replicas that ran its forwards (see
@@ -422,9 +420,7 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
                 ctx.stats.step.fetch_max(reply.step, Ordering::Relaxed);
                 ctx.stats.stage_steps[s].fetch_max(reply.step, Ordering::Relaxed);
                 if let Some(l) = reply.loss {
-                    if let Ok(mut ls) = ctx.stats.losses.lock() {
-                        ls.push((reply.step, l));
-                    }
+                    ctx.stats.record_loss(reply.step, l);
                 }
                 match reply.grad_input {
                     Some(g) => upstream = g,
@@ -467,6 +463,9 @@ fn swap_reason(e: &CallError) -> String {
     }
 }
 
+/// Times a call is repeated after a `stale_step` answer before the replica counts as failing.
+const MAX_STALE_RETRIES: u32 = 3;
+
 /// Runs `call` on a replica of stage `s` (the preferred one when usable), swapping to
 /// another replica on failure until the stage deadline.
 async fn call_stage<T, F, Fut>(
@@ -483,6 +482,7 @@ where
     let mut last_usable = Instant::now();
     let mut last_err = String::from("no replica announced");
     let mut first = true;
+    let mut stale = 0u32;
     loop {
         let now = Instant::now();
         let pick = {
@@ -534,58 +534,66 @@ where
             r = call(peer, step).await;
         }
         let secs = t0.elapsed().as_secs_f64();
-        let Ok(mut table) = ctx.table.lock() else {
-            return Err("trainer state poisoned".into());
+        let pause = 'pause: {
+            let Ok(mut table) = ctx.table.lock() else {
+                return Err("trainer state poisoned".into());
+            };
+            let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
+            match r {
+                Ok(v) => {
+                    if let Some((_, st)) = entry {
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                        st.observe(samples as f64, secs);
+                        if let Some(q) = ctx.client.counters().last_queue(&peer) {
+                            st.queue = q;
+                        }
+                    }
+                    return Ok((peer, v));
+                }
+                Err(e) => {
+                    if let CallError::Remote {
+                        kind: ErrorKind::StaleStep,
+                        step: theirs,
+                        ..
+                    } = &e
+                    {
+                        // We were behind: catch up and ask again, the replica is fine — a few
+                        // times, with a growing pause (a replica that keeps saying so is not).
+                        ctx.stats.stage_steps[s].fetch_max(*theirs, Ordering::Relaxed);
+                        stale += 1;
+                        if stale <= MAX_STALE_RETRIES {
+                            if let Some((_, st)) = entry {
+                                st.in_flight = st.in_flight.saturating_sub(1);
+                            }
+                            break 'pause Some(Duration::from_millis(5 << stale));
+                        }
+                    }
+                    if matches!(
+                        e.kind(),
+                        Some(ErrorKind::BadTensor | ErrorKind::NonFinite | ErrorKind::BadRequest)
+                    ) {
+                        if let Some((_, st)) = entry {
+                            st.in_flight = st.in_flight.saturating_sub(1);
+                        }
+                        return Err(format!("stage {s}: {e}"));
+                    }
+                    let ban = match e.kind() {
+                        Some(ErrorKind::Overloaded) => Duration::from_millis(200),
+                        _ => ctx.cfg.ban,
+                    };
+                    if let Some((_, st)) = entry {
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                        st.banned_until = Some(Instant::now() + ban);
+                    }
+                    ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
+                    TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
+                    last_err = format!("{peer}: {e}");
+                    None
+                }
+            }
         };
-        let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
-        match r {
-            Ok(v) => {
-                if let Some((_, st)) = entry {
-                    st.in_flight = st.in_flight.saturating_sub(1);
-                    st.observe(samples as f64, secs);
-                    if let Some(q) = ctx.client.counters().last_queue(&peer) {
-                        st.queue = q;
-                    }
-                }
-                return Ok((peer, v));
-            }
-            Err(e) => {
-                if let CallError::Remote {
-                    kind: ErrorKind::StaleStep,
-                    step: theirs,
-                    ..
-                } = &e
-                {
-                    // We were behind: catch up and ask again, the replica is fine.
-                    ctx.stats.stage_steps[s].fetch_max(*theirs, Ordering::Relaxed);
-                    if let Some((_, st)) = entry {
-                        st.in_flight = st.in_flight.saturating_sub(1);
-                    }
-                    continue;
-                }
-                if matches!(
-                    e.kind(),
-                    Some(ErrorKind::BadTensor | ErrorKind::NonFinite | ErrorKind::BadRequest)
-                ) {
-                    if let Some((_, st)) = entry {
-                        st.in_flight = st.in_flight.saturating_sub(1);
-                    }
-                    return Err(format!("stage {s}: {e}"));
-                }
-                let ban = match e.kind() {
-                    Some(ErrorKind::Overloaded) => Duration::from_millis(200),
-                    _ => ctx.cfg.ban,
-                };
-                if let Some((_, st)) = entry {
-                    st.in_flight = st.in_flight.saturating_sub(1);
-                    st.banned_until = Some(Instant::now() + ban);
-                }
-                ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
-                if let Ok(mut m) = ctx.stats.swap_reasons.lock() {
-                    *m.entry(swap_reason(&e)).or_default() += 1;
-                }
-                last_err = format!("{peer}: {e}");
-            }
+        if let Some(p) = pause {
+            tokio::time::sleep(p).await;
         }
     }
 }

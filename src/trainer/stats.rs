@@ -18,8 +18,8 @@ pub struct TrainerStats {
     pub failures: Mutex<BTreeMap<String, u64>>,
     /// Per stage: samples whose backward a replica accepted.
     pub stage_backward: Vec<AtomicU64>,
-    /// (step, loss) of every completed microbatch.
-    pub losses: Mutex<Vec<(u64, f32)>>,
+    /// (step, loss) of the last [`LOSSES_KEPT`] completed microbatches, oldest first.
+    pub losses: Mutex<std::collections::VecDeque<(u64, f32)>>,
     /// The highest step a replica reported.
     pub step: AtomicU64,
     /// Per stage: the highest step its replicas reported.
@@ -30,6 +30,13 @@ pub struct TrainerStats {
     pub swap_reasons: Mutex<BTreeMap<String, u64>>,
 }
 
+/// Losses a trainer loop keeps.
+pub const LOSSES_KEPT: usize = 4096;
+/// Distinct failure or swap reasons kept.
+pub const REASONS_KEPT: usize = 64;
+/// Characters of a reason kept.
+pub const REASON_LEN: usize = 200;
+
 impl TrainerStats {
     pub(crate) fn new(stages: usize) -> Self {
         Self {
@@ -38,7 +45,7 @@ impl TrainerStats {
             failed: AtomicU64::new(0),
             failures: Mutex::new(BTreeMap::new()),
             stage_backward: (0..stages).map(|_| AtomicU64::new(0)).collect(),
-            losses: Mutex::new(Vec::new()),
+            losses: Mutex::new(std::collections::VecDeque::new()),
             step: AtomicU64::new(0),
             stage_steps: (0..stages).map(|_| AtomicU64::new(0)).collect(),
             swaps: AtomicU64::new(0),
@@ -61,7 +68,29 @@ impl TrainerStats {
         if l.is_empty() {
             return None;
         }
-        let tail = &l[l.len().saturating_sub(n)..];
-        Some(tail.iter().map(|(_, x)| *x as f64).sum::<f64>() / tail.len() as f64)
+        let k = n.clamp(1, l.len());
+        Some(l.iter().rev().take(k).map(|(_, x)| *x as f64).sum::<f64>() / k as f64)
+    }
+
+    /// Records a completed microbatch's loss, forgetting the oldest past [`LOSSES_KEPT`].
+    pub fn record_loss(&self, step: u64, loss: f32) {
+        if let Ok(mut l) = self.losses.lock() {
+            l.push_back((step, loss));
+            while l.len() > LOSSES_KEPT {
+                l.pop_front();
+            }
+        }
+    }
+
+    /// Adds `n` to `reason`'s count in `map`, a reason cut to [`REASON_LEN`] bytes; past
+    /// [`REASONS_KEPT`] distinct reasons (a remote peer writes part of them) the rest are
+    /// counted as "other".
+    pub fn bump(map: &Mutex<BTreeMap<String, u64>>, reason: &str, n: u64) {
+        let Ok(mut m) = map.lock() else { return };
+        let mut key: String = reason.chars().take(REASON_LEN).collect();
+        if !m.contains_key(&key) && m.len() >= REASONS_KEPT {
+            key = "other".into();
+        }
+        *m.entry(key).or_default() += n;
     }
 }

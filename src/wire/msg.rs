@@ -207,6 +207,9 @@ pub enum ErrorKind {
     BadRequest,
     /// The replica failed while computing.
     Internal,
+    /// The replica refuses this caller for a while: its requests failed validation
+    /// repeatedly.
+    Banned,
 }
 
 impl ErrorKind {
@@ -222,6 +225,7 @@ impl ErrorKind {
             Self::Overloaded => "overloaded",
             Self::BadRequest => "bad_request",
             Self::Internal => "internal",
+            Self::Banned => "banned",
         }
     }
 }

@@ -86,9 +86,67 @@ pub(super) fn ok(shared: &Shared, tensors: u8) -> Response {
     Response::ok(shared.step(), shared.queue.load(Ordering::Relaxed), tensors)
 }
 
+/// Streams one caller may hold open at once; more are closed unread.
+pub const MAX_STREAMS_PER_PEER: usize = 16;
+
+/// Counts a caller's open stream while it lives.
+struct Open<'a> {
+    shared: &'a Shared,
+    peer: PeerId,
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        let mut m = lock(&self.shared.streams);
+        if let Some(n) = m.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// Refusals that say the caller sent something invalid (not that this replica is busy,
+/// behind or of another stage): each is a strike, and repeated strikes ban the caller.
+fn is_invalid(kind: ErrorKind) -> bool {
+    matches!(
+        kind,
+        ErrorKind::BadTensor
+            | ErrorKind::NonFinite
+            | ErrorKind::BadRequest
+            | ErrorKind::TooLarge
+            | ErrorKind::UnknownRun
+    )
+}
+
+/// Notes a refusal of `kind` sent to `peer`.
+fn note_refusal(shared: &Shared, peer: PeerId, kind: ErrorKind, why: &str) {
+    if is_invalid(kind) {
+        let seq = shared.strikes.fetch_add(1, Ordering::Relaxed);
+        lock(&shared.bans).strike(peer, (seq, 0), why, Instant::now());
+    }
+}
+
 /// Serves the requests of one stream, one after another, until the caller closes it,
-/// goes quiet for [`IDLE_STREAM`], or a request is refused.
+/// goes quiet for [`IDLE_STREAM`], or a request is refused. A caller over
+/// [`MAX_STREAMS_PER_PEER`] streams gets this one closed; a banned caller gets `banned`.
 pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
+    let over = {
+        let mut m = lock(&shared.streams);
+        let n = m.entry(peer).or_default();
+        *n += 1;
+        *n > MAX_STREAMS_PER_PEER
+    };
+    let _open = Open {
+        shared: &shared,
+        peer,
+    };
+    if over {
+        shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        let _ = stream.close().await;
+        return;
+    }
     loop {
         let mut len = [0u8; 4];
         match tokio::time::timeout(IDLE_STREAM, stream.read_exact(&mut len)).await {
@@ -113,6 +171,15 @@ async fn serve_one(
     // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
     // being refused: a refused request would be sent again in full elsewhere, over links
     // that are the bottleneck when requests pile up like this.
+    if lock(&shared.bans).is_banned(&peer, Instant::now()) {
+        let r = refusal(
+            shared,
+            ErrorKind::Banned,
+            "refused for a while: your requests failed validation repeatedly",
+        );
+        respond(stream, &r).await;
+        return false;
+    }
     let permit = tokio::time::timeout(
         shared.cfg.read_timeout,
         Arc::clone(&shared.readers).acquire_owned(),
@@ -150,11 +217,15 @@ async fn serve_one(
                 IoError::Frame(_) | IoError::Unexpected(_) => ErrorKind::BadTensor,
                 _ => ErrorKind::BadRequest,
             };
+            note_refusal(shared, peer, kind, &e.to_string());
             let r = refusal(shared, kind, e.to_string());
             respond(stream, &r).await;
             return false;
         }
         Ok(Ok(Read::Refused(r))) => {
+            if let Some(e) = &r.header.error {
+                note_refusal(shared, peer, e.kind, &e.message);
+            }
             respond(stream, &r).await;
             return false;
         }
@@ -202,6 +273,9 @@ async fn serve_one(
             c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
         }
         Op::Info | Op::StateInfo | Op::StateHashes => {}
+    }
+    if let Some(e) = &reply.header.error {
+        note_refusal(shared, peer, e.kind, &e.message);
     }
     let t_write = Instant::now();
     let more = respond(stream, &reply).await;

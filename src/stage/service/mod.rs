@@ -138,6 +138,12 @@ struct Shared {
     extension: Mutex<Option<Arc<dyn Extension>>>,
     /// Set when the replica is leaving: no new forward passes, no `info` answers.
     draining: AtomicBool,
+    /// Callers whose requests failed validation, and those refused for it a while.
+    bans: Mutex<crate::averaging::guard::Guard>,
+    /// Numbers the strikes (each refusal is one).
+    strikes: std::sync::atomic::AtomicU64,
+    /// Streams open per caller.
+    streams: Mutex<std::collections::HashMap<PeerId, usize>>,
 }
 
 impl Shared {
@@ -225,6 +231,9 @@ impl StageService {
             progress: Arc::new(Notify::new()),
             extension: Mutex::new(None),
             draining: AtomicBool::new(false),
+            bans: Mutex::new(crate::averaging::guard::Guard::default()),
+            strikes: std::sync::atomic::AtomicU64::new(0),
+            streams: Mutex::new(std::collections::HashMap::new()),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
