@@ -742,7 +742,7 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
         ),
         (
             "info, random frame",
-            message(&req(Op::Info, 1), &[random.clone()]),
+            message(&req(Op::Info, 1), std::slice::from_ref(&random)),
             ErrorKind::BadRequest,
         ),
         (
