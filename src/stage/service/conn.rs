@@ -86,8 +86,9 @@ pub(super) fn ok(shared: &Shared, tensors: u8) -> Response {
     Response::ok(shared.step(), shared.queue.load(Ordering::Relaxed), tensors)
 }
 
-/// Streams one caller may hold open at once; more are closed unread.
-pub const MAX_STREAMS_PER_PEER: usize = 16;
+/// Streams one caller may hold open at once; more are closed unread. (A replica sends up
+/// to 32 averaging calls at once, and clients keep idle streams for reuse.)
+pub const MAX_STREAMS_PER_PEER: usize = 128;
 
 /// Counts a caller's open stream while it lives.
 struct Open<'a> {
