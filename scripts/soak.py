@@ -10,8 +10,8 @@ VmRSS and open file descriptors are read from /proc. At the end the trainer is s
 its `done` event gives fed, completed and failed samples.
 
 Prints one JSON line: minutes, kills, rss growth of the longest-lived processes after
-warm-up (the first fifth of the run, at least a minute), their fd counts at warm-up and at
-the end, and the vanished samples (fed - completed - failed). Exits non-zero when a goal is
+warm-up (the first fifth of the run, at least a minute; median RSS of the first third of the
+later samples against the last third), their fd counts at warm-up and at the end, and the vanished samples (fed - completed - failed). Exits non-zero when a goal is
 missed: RSS growth >= 5%, an fd count that grew by more than 8, vanished != 0.
 """
 import json
@@ -159,12 +159,19 @@ def main():
         done = [e for e in events(f"{w}/trainer.events") if e.get("event") == "done"]
         prog = done[-1]["progress"] if done else None
         # Processes that lived through the whole run (the bootstrap, the trainer, and any
-        # replica never killed): growth from their first sample after warm-up to their last.
+        # replica never killed): growth of the median RSS from the first third of the
+        # samples after warm-up to the last third (single samples swing with the
+        # allocator), and fds at the start and end of that span.
         growth, fds = {}, {}
+        last_t = end - t0
         for n, rows in samples.items():
             after = [r for r in rows if r[0] >= warm - t0]
-            if len(after) >= 2 and rows[0][0] <= 1.0 * SAMPLE_S + 5:
-                growth[n] = (after[-1][1] - after[0][1]) / after[0][1]
+            lived = rows[0][0] <= SAMPLE_S + 5 and rows[-1][0] >= last_t - 2 * SAMPLE_S - 5
+            if len(after) >= 3 and lived:
+                k = max(1, len(after) // 3)
+                med = lambda xs: sorted(xs)[len(xs) // 2]
+                first, last = med([r[1] for r in after[:k]]), med([r[1] for r in after[-k:]])
+                growth[n] = (last - first) / first
                 fds[n] = (after[0][2], after[-1][2])
         vanished = None if prog is None else prog["fed"] - prog["completed"] - prog["failed"]
         out = {
