@@ -116,13 +116,24 @@ pub async fn read_frame_body<R: AsyncRead + Unpin>(
     len: usize,
 ) -> Result<Vec<u8>, IoError> {
     let mut buf = Vec::with_capacity(len.min(CHUNK));
+    read_to_len(r, &mut buf, len).await?;
+    Ok(buf)
+}
+
+/// Reads into `buf` until it holds `len` bytes, growing it (at most doubling, in steps of
+/// at least [`CHUNK`]) only as bytes arrive.
+async fn read_to_len<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    len: usize,
+) -> Result<(), IoError> {
     while buf.len() < len {
         let start = buf.len();
         let n = (len - start).min(CHUNK.max(start));
         buf.resize(start + n, 0);
         r.read_exact(&mut buf[start..]).await?;
     }
-    Ok(buf)
+    Ok(())
 }
 
 /// Reads one length-prefixed frame.
@@ -170,12 +181,7 @@ pub async fn read_frame_checked<R: AsyncRead + Unpin>(
         )));
     }
     check(&h).map_err(IoError::Unexpected)?;
-    while buf.len() < len {
-        let start = buf.len();
-        let n = (len - start).min(CHUNK.max(start));
-        buf.resize(start + n, 0);
-        r.read_exact(&mut buf[start..]).await?;
-    }
+    read_to_len(r, &mut buf, len).await?;
     Ok(buf)
 }
 
