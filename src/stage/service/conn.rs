@@ -168,10 +168,6 @@ async fn serve_one(
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> bool {
-    // With more requests arriving than may be read at once, the rest wait their turn (their
-    // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
-    // being refused: a refused request would be sent again in full elsewhere, over links
-    // that are the bottleneck when requests pile up like this.
     if lock(&shared.bans).is_banned(&peer, Instant::now()) {
         let r = refusal(
             shared,
@@ -181,6 +177,10 @@ async fn serve_one(
         respond(stream, &r).await;
         return false;
     }
+    // With more requests arriving than may be read at once, the rest wait their turn (their
+    // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
+    // being refused: a refused request would be sent again in full elsewhere, over links
+    // that are the bottleneck when requests pile up like this.
     let permit = tokio::time::timeout(
         shared.cfg.read_timeout,
         Arc::clone(&shared.readers).acquire_owned(),
