@@ -65,44 +65,54 @@ impl AveragingConfig {
 
     /// Checks the knobs' ranges; the error names the knob.
     pub(super) fn validate(&self) -> Result<(), String> {
-        if let Some(t) = self.round_timeout_s {
-            if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
-                return Err(format!(
-                    "averaging.round_timeout_s must be in (0, 86400] seconds, got {t}"
-                ));
-            }
-        }
-        if let Some(c) = self.state_chunk_floats {
-            if !(1..=(16 << 20)).contains(&c) {
-                return Err(format!(
-                    "averaging.state_chunk_floats must be in 1..=16777216, got {c}"
-                ));
-            }
-        }
-        if let Some(h) = self.heartbeat_ms {
-            if !(10..=60_000).contains(&h) {
-                return Err(format!(
-                    "averaging.heartbeat_ms must be in 10..=60000, got {h}"
-                ));
-            }
-        }
-        if let Some(t) = self.clip_tau {
-            if !(t.is_finite() && t > 0.0 && t <= 1000.0) {
-                return Err(format!("averaging.clip_tau must be in (0, 1000], got {t}"));
-            }
-        }
-        if let Some(i) = self.clip_iters {
-            if !(1..=1000).contains(&i) {
-                return Err(format!("averaging.clip_iters must be in 1..=1000, got {i}"));
-            }
-        }
-        if let Some(r) = self.max_norm_ratio {
-            if !(r == 0.0 || (r.is_finite() && r >= 1.0)) {
-                return Err(format!(
-                    "averaging.max_norm_ratio must be 0 (off) or at least 1, got {r}"
-                ));
-            }
-        }
-        Ok(())
+        knob(
+            "round_timeout_s",
+            self.round_timeout_s,
+            |t| t.is_finite() && t > 0.0 && t <= 86_400.0,
+            "in (0, 86400] seconds",
+        )?;
+        knob(
+            "state_chunk_floats",
+            self.state_chunk_floats,
+            |c| (1..=(16 << 20)).contains(&c),
+            "in 1..=16777216",
+        )?;
+        knob(
+            "heartbeat_ms",
+            self.heartbeat_ms,
+            |h| (10..=60_000).contains(&h),
+            "in 10..=60000",
+        )?;
+        knob(
+            "clip_tau",
+            self.clip_tau,
+            |t| t.is_finite() && t > 0.0 && t <= 1000.0,
+            "in (0, 1000]",
+        )?;
+        knob(
+            "clip_iters",
+            self.clip_iters,
+            |i| (1..=1000).contains(&i),
+            "in 1..=1000",
+        )?;
+        knob(
+            "max_norm_ratio",
+            self.max_norm_ratio,
+            |r| r == 0.0 || (r.is_finite() && r >= 1.0),
+            "0 (off) or at least 1",
+        )
+    }
+}
+
+/// `Err("averaging.NAME must be WANT, got V")` when the knob is set and `ok` refuses it.
+fn knob<T: Copy + std::fmt::Display>(
+    name: &str,
+    value: Option<T>,
+    ok: impl Fn(T) -> bool,
+    want: &str,
+) -> Result<(), String> {
+    match value {
+        Some(v) if !ok(v) => Err(format!("averaging.{name} must be {want}, got {v}")),
+        _ => Ok(()),
     }
 }
