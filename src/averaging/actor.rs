@@ -197,8 +197,8 @@ impl State {
                 self.end_round(false);
             }
         }
-        if let Ok(mut b) = self.stats.banned.lock() {
-            *b = self.guard.banned(now);
+        if let Ok(mut b) = self.stats.bans.lock() {
+            *b = self.guard.bans();
         }
     }
 
@@ -282,19 +282,13 @@ impl State {
         if self.round.is_some() {
             return;
         }
-        let now = Instant::now();
-        let mine = View::of(&st, now);
-        // Banned replicas are no members, leaders or donors of this one.
-        let views: HashMap<PeerId, View> = self
-            .views
-            .iter()
-            .filter(|(p, _)| !self.guard.is_banned(p, now))
-            .map(|(p, v)| (*p, v.clone()))
-            .collect();
+        // A banned replica is in no view (forgotten when banned, its messages dropped
+        // while the ban lasts), so it is no member, leader or donor of this one.
+        let mine = View::of(&st, Instant::now());
         let input = plan::Input {
             me: self.me,
             mine: &mine,
-            views: &views,
+            views: &self.views,
             known: &self.known,
             started: self.started,
             behind_since: self.timers.behind_since,

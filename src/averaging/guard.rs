@@ -141,22 +141,40 @@ impl Guard {
 
     /// The peers banned at `now`.
     pub fn banned(&self, now: Instant) -> Vec<Banned> {
-        let mut out: Vec<Banned> = self
+        banned_at(&self.bans(), now)
+    }
+
+    /// Every ban given, with when it ends (ended ones too: [`banned_at`] picks those in
+    /// force at a later instant).
+    pub fn bans(&self) -> Vec<(Banned, Instant)> {
+        let mut out: Vec<(Banned, Instant)> = self
             .records
             .iter()
             .filter_map(|(p, r)| {
-                let u = r.until.filter(|u| now < *u)?;
-                Some(Banned {
+                let until = r.until?;
+                let b = Banned {
                     peer: p.to_string(),
                     reason: r.reason.clone(),
-                    seconds_left: (u - now).as_secs_f64(),
+                    seconds_left: 0.0,
                     bans: r.bans,
-                })
+                };
+                Some((b, until))
             })
             .collect();
-        out.sort_by(|a, b| a.peer.cmp(&b.peer));
+        out.sort_by(|a, b| a.0.peer.cmp(&b.0.peer));
         out
     }
+}
+
+/// The bans of `bans` (from [`Guard::bans`]) in force at `now`, with the seconds left.
+pub fn banned_at(bans: &[(Banned, Instant)], now: Instant) -> Vec<Banned> {
+    bans.iter()
+        .filter(|(_, until)| now < *until)
+        .map(|(b, until)| Banned {
+            seconds_left: (*until - now).as_secs_f64(),
+            ..b.clone()
+        })
+        .collect()
 }
 
 #[cfg(test)]

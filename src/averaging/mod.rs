@@ -256,6 +256,14 @@ impl AvgStats {
         }
     }
 
+    /// The peers banned from this stage's rounds at `now`.
+    pub fn banned_at(&self, now: Instant) -> Vec<guard::Banned> {
+        self.bans
+            .lock()
+            .map(|b| guard::banned_at(&b, now))
+            .unwrap_or_default()
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> AvgSnapshot {
         let g = |a: &AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
@@ -266,7 +274,7 @@ impl AvgStats {
             resyncs: g(&self.resyncs),
             replays: g(&self.replays),
             rejected: g(&self.rejected),
-            banned: self.banned.lock().map(|b| b.clone()).unwrap_or_default(),
+            banned: self.banned_at(Instant::now()),
             uplink: g(&self.uplink),
             recent_rounds_ms: self
                 .recent_rounds_ms
@@ -304,8 +312,8 @@ pub struct AvgStats {
     pub last_error: std::sync::Mutex<Option<String>>,
     /// Members' chunks rejected (non-finite, outsized, or a non-finite reduced chunk).
     pub rejected: AtomicU64,
-    /// The peers banned from this stage's rounds, as of the last change.
-    pub banned: std::sync::Mutex<Vec<guard::Banned>>,
+    /// Every ban this averager gave, with when it ends (see [`AvgStats::banned_at`]).
+    pub bans: std::sync::Mutex<Vec<(guard::Banned, Instant)>>,
 }
 
 /// A running averager. Dropping it stops the task.

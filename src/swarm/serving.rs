@@ -507,18 +507,14 @@ impl Refresh {
             expires_ms: now + self.ttl.as_millis() as u64,
             banned: self
                 .avg
-                .banned
-                .lock()
-                .map(|b| {
-                    b.iter()
-                        .take(dht::record::MAX_BANNED)
-                        .map(|b| dht::record::BanNote {
-                            peer: b.peer.clone(),
-                            reason: b.reason.chars().take(100).collect(),
-                        })
-                        .collect()
+                .banned_at(Instant::now())
+                .into_iter()
+                .take(dht::record::MAX_BANNED)
+                .map(|b| dht::record::BanNote {
+                    peer: b.peer,
+                    reason: b.reason.chars().take(100).collect(),
                 })
-                .unwrap_or_default(),
+                .collect(),
         };
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
