@@ -1,8 +1,9 @@
 //! Fuzzing that runs on the stable toolchain, and property tests of every message header.
 //!
-//! Three targets are fuzzed by blind mutation (no coverage feedback: bit flips, byte
-//! stores, truncation, insertion, splicing, and interesting values written over 4- and
-//! 8-byte fields) of valid seeds, each input under `catch_unwind`:
+//! Three targets (`fuzz/targets.rs`, shared with the libFuzzer crate in `fuzz/`) are fuzzed
+//! by blind mutation (no coverage feedback: bit flips, byte stores, truncation, insertion,
+//! splicing, and interesting values written over 4- and 8-byte fields) of valid seeds,
+//! each input under `catch_unwind`:
 //! - `frame`: the tensor frame decoder;
 //! - `request`: a replica reading a request off a stream (header, the checks on each
 //!   frame's header before its payload, the frames' decoding, the averaging message);
@@ -17,24 +18,16 @@
     reason = "tests and benches fail by panicking"
 )]
 
-use futures::io::Cursor;
-use shoal::averaging::sync::chunk_hash;
+#[path = "../fuzz/targets.rs"]
+mod targets;
+
 use shoal::config::RunConfig;
-use shoal::net::io::{read_frame_checked, read_header, read_response};
 use shoal::rng::Rng;
-use shoal::stage::service::expect::Expect;
 use shoal::wire::msg::{
     self, AvgMsg, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, UpdateInfo, MSG_VERSION,
 };
-use shoal::wire::{self, CodecSpec, Limits, TensorData};
+use shoal::wire::{self, CodecSpec};
 use std::time::{Duration, Instant};
-
-/// Limits of the fuzzed decoders: small, so a decoder that honoured a wild length would
-/// be caught by its allocation, not just slowed down.
-const LIMITS: Limits = Limits {
-    max_elements: 1 << 16,
-    max_bytes: 1 << 18,
-};
 
 fn frame_f32(shape: &[usize], codec: &str) -> Vec<u8> {
     let n: usize = shape.iter().product();
@@ -168,64 +161,6 @@ fn responses() -> Vec<Response> {
     ]
 }
 
-/// What a replica of stage 1 of the tiny run does with a request off the wire.
-fn read_request_target(data: &[u8]) {
-    let cfg = RunConfig::tiny();
-    let expect = Expect::of(&cfg, 1);
-    let limits = expect.limits();
-    futures::executor::block_on(async {
-        let mut r = Cursor::new(data);
-        let Ok(head) = read_header(&mut r).await else {
-            return;
-        };
-        let Ok(req) = msg::decode_request(&head) else {
-            return;
-        };
-        let wants = expect.wants(req.op);
-        for i in 0..req.tensors as usize {
-            let want = wants.get(i).copied();
-            let f = read_frame_checked(&mut r, &limits, |h| match want {
-                Some(w) => expect.check(w, h),
-                None => Err("no such tensor".into()),
-            })
-            .await;
-            let Ok(f) = f else { return };
-            if let Ok(t) = wire::decode(&f, &limits) {
-                assert_eq!(t.shape.len(), if req.op == Op::Avg { 1 } else { 3 });
-            }
-        }
-    });
-}
-
-/// What a joiner does with a state chunk's response.
-fn read_chunk_target(data: &[u8]) {
-    futures::executor::block_on(async {
-        let mut r = Cursor::new(data);
-        if let Ok((_, frames)) = read_response(&mut r, &LIMITS).await {
-            for f in frames {
-                let mut v = Vec::new();
-                if wire::decode_f32_into(&f, &LIMITS, &mut v).is_ok() {
-                    assert!(!chunk_hash(&v).is_empty());
-                }
-            }
-        }
-    });
-}
-
-fn frame_target(data: &[u8]) {
-    if let Ok(t) = wire::decode(data, &LIMITS) {
-        let n: usize = t.shape.iter().product();
-        let len = match &t.data {
-            TensorData::F32(v) => v.len(),
-            TensorData::U32(v) => v.len(),
-        };
-        assert_eq!(n, len, "decoded length disagrees with the shape");
-    }
-    let mut out = Vec::new();
-    let _ = wire::decode_f32_into(data, &LIMITS, &mut out);
-    let _ = wire::parse_header(data, &LIMITS);
-}
-
 const INTERESTING: [u64; 9] = [
     0,
     1,
@@ -343,7 +278,7 @@ fn fuzz_frame_decoder() {
         seeds.push(frame_f32(&[3, 5], codec));
         seeds.push(frame_f32(&[200], codec));
     }
-    assert!(fuzz("frame", seeds, frame_target) > 0);
+    assert!(fuzz("frame", seeds, targets::frame) > 0);
 }
 
 #[test]
@@ -364,7 +299,7 @@ fn fuzz_request_reading() {
         let frames: Vec<Vec<u8>> = (0..r.tensors).map(|_| frame_f32(&[300], "int8")).collect();
         seeds.push(message(&r, &frames));
     }
-    assert!(fuzz("request", seeds, read_request_target) > 0);
+    assert!(fuzz("request", seeds, targets::request) > 0);
 }
 
 #[test]
@@ -379,7 +314,7 @@ fn fuzz_state_chunk_response() {
         ),
         message(&responses()[3], &[]),
     ];
-    assert!(fuzz("chunk", seeds, read_chunk_target) > 0);
+    assert!(fuzz("chunk", seeds, targets::chunk) > 0);
 }
 
 /// Round trip, every truncation and every byte flipped, for one encoded header.
