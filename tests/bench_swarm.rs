@@ -119,7 +119,10 @@ fn bench_converge_trains_every_mode_on_the_same_samples() {
         assert!(eval.is_finite() && eval < 2.6, "{r}");
         assert!(r["samples_per_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r.get("seconds_to_target").is_some(), "{r}");
-        assert!(r["steps"].as_u64().unwrap() >= 10, "{r}");
+        // Without waiting, a step grows while the previous round runs (more so on a busy
+        // machine), so only a few steps are certain: each holds at least the target batch.
+        let steps = r["steps"].as_u64().unwrap();
+        assert!((3..=20).contains(&steps), "{r}");
     }
     // A bad mode is one line and a failure.
     let bad = Command::new(env!("CARGO_BIN_EXE_shoal"))
