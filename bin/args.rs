@@ -198,9 +198,13 @@ pub struct ProbeArgs {
     /// The run id (or its manifest file).
     #[arg(long, value_name = "ID|FILE")]
     pub run: String,
-    /// Also compute the pass locally from the initial parameters and compare the loss.
+    /// Fail unless every stage answers with finite values; at step 0 also compute the
+    /// pass locally from the initial parameters and compare the loss.
     #[arg(long)]
     pub check: bool,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn parse_addrs(list: &[String]) -> Result<Vec<libp2p::Multiaddr>> {

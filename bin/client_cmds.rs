@@ -91,21 +91,43 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
         handle.shutdown().await;
         Ok::<_, anyhow::Error>((m, report))
     })?;
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
-        "probe of run {}: one microbatch of {} sequences",
+        "probe of run {}: one microbatch of {} sequences (a probe: nothing is trained)",
         m.id, m.config.training.batch_size
     );
-    for h in &report.hops {
+    println!("  stage  step  replica                                                rtt ms  fwd ms  bwd ms  sent KiB  recv KiB  codec");
+    for s in &report.stages {
+        let fwd = s.forward_ms.map_or("-".into(), |f| format!("{f:.1}"));
         println!(
-            "  stage {} {:<8} on {}  {:>8.1} ms",
-            h.stage, h.op, h.peer, h.ms
+            "  {:>5}  {:>4}  {:<52}  {:>6.1}  {:>6}  {:>6.1}  {:>8.1}  {:>8.1}  {:>4.1}x",
+            s.stage,
+            s.step,
+            s.peer,
+            s.rtt_ms,
+            fwd,
+            s.backward_ms,
+            s.bytes_sent as f64 / 1024.0,
+            s.bytes_received as f64 / 1024.0,
+            s.codec_ratio
         );
     }
-    let total: f64 = report.hops.iter().map(|h| h.ms).sum();
+    let total: f64 = report
+        .stages
+        .iter()
+        .map(|s| s.forward_ms.unwrap_or(0.0) + s.backward_ms)
+        .sum();
     println!("loss {:.6} after {total:.1} ms of calls", report.loss);
     if let Some(l) = report.local_loss {
         let diff = (l - report.loss).abs();
         println!("local loss {l:.6} (difference {diff:.2e}; exact with f32 activations at step 0)");
+    } else if a.check {
+        println!(
+            "check: every stage answered with finite values (no local comparison past step 0)"
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -66,6 +66,7 @@ fn request(op: Op, tensors: u8) -> Request {
         tensors,
         avg: None,
         chunk: None,
+        dry: false,
     }
 }
 

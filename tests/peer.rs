@@ -495,6 +495,7 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
         tensors,
         avg: None,
         chunk: None,
+        dry: false,
     };
     let check_alive = || async {
         let out = sc
@@ -678,6 +679,7 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
             chunk: 0,
         }),
         chunk: None,
+        dry: false,
     };
     let message = |r: &Request, frames: &[Vec<u8>]| {
         let mut out = shoal::wire::msg::encode_header(r);

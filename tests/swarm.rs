@@ -302,6 +302,17 @@ async fn eval(s: &Swarm) -> f64 {
     l
 }
 
+/// `shoal probe --check` of the swarm, as the command runs it.
+async fn probe_check(s: &Swarm) -> probe::ProbeReport {
+    let mut c = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), Vec::new());
+    c.dht_server = false;
+    let h = net::start(c).unwrap();
+    h.dial(s.addr.clone()).await.unwrap();
+    let r = probe::probe(&h, &s.m, true).await.unwrap();
+    h.shutdown().await;
+    r
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
     let _g = SERIAL.lock().await;
@@ -314,6 +325,20 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
     let s = swarm(&dir, &cfg, 2).await;
     let t0 = Instant::now();
     let t = trainers(&s, 2, samples / 16 / 2).await;
+    // A probe of the training swarm passes and changes nothing: the accounting below
+    // (every sample that went backward is applied, pending or lost, exactly) and the
+    // match with the local run would both see its microbatch.
+    while t.trainers()[0].stats().step.load(Relaxed) < 3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = probe_check(&s).await;
+    assert_eq!(report.stages.len(), 3);
+    assert!(report.loss.is_finite() && report.local_loss.is_none());
+    assert!(report.stages.iter().any(|st| st.step >= 3), "{report:?}");
+    assert!(report
+        .stages
+        .iter()
+        .all(|st| st.bytes_sent > 0 && st.codec_ratio > 0.0));
     wait_trainers(&t, Duration::from_secs(240)).await;
     let secs = t0.elapsed().as_secs_f64();
     let refs: Vec<&Peer> = s.peers.iter().collect();

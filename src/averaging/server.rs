@@ -373,6 +373,7 @@ mod tests {
                 chunk: 0,
             }),
             chunk: None,
+            dry: false,
         }
     }
 

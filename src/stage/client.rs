@@ -247,6 +247,7 @@ impl StageClient {
             tensors,
             avg: None,
             chunk: None,
+            dry: false,
         }
     }
 
@@ -305,9 +306,32 @@ impl StageClient {
         mb: u64,
         input: &Tensor,
     ) -> Result<(Tensor, u64), CallError> {
-        let frame = tensor::encode(input, &self.codec)?;
         let req = self.request(stage, step, mb, Op::Forward, 1);
-        let (header, frames) = self.call(peer, &req, &[frame.as_slice()]).await?;
+        self.forward_req(peer, &req, input).await
+    }
+
+    /// A probe's forward ([`Request::dry`]): the replica keeps nothing, whatever its step.
+    pub async fn probe_forward(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        input: &Tensor,
+    ) -> Result<Tensor, CallError> {
+        let req = Request {
+            dry: true,
+            ..self.request(stage, 0, 0, Op::Forward, 1)
+        };
+        Ok(self.forward_req(peer, &req, input).await?.0)
+    }
+
+    async fn forward_req(
+        &self,
+        peer: PeerId,
+        req: &Request,
+        input: &Tensor,
+    ) -> Result<(Tensor, u64), CallError> {
+        let frame = tensor::encode(input, &self.codec)?;
+        let (header, frames) = self.call(peer, req, &[frame.as_slice()]).await?;
         let f = frames
             .first()
             .ok_or_else(|| CallError::Protocol("forward reply has no tensor".into()))?;
@@ -327,13 +351,39 @@ impl StageClient {
         input: &Tensor,
         upstream: &Tensor,
     ) -> Result<BackwardReply, CallError> {
+        let req = self.request(stage, step, mb, Op::Backward, 2);
+        self.backward_req(peer, &req, input, upstream).await
+    }
+
+    /// A probe's backward ([`Request::dry`]): the loss and input gradient come back, the
+    /// replica accumulates nothing (the run's training is untouched), whatever its step.
+    pub async fn probe_backward(
+        &self,
+        peer: PeerId,
+        stage: usize,
+        input: &Tensor,
+        upstream: &Tensor,
+    ) -> Result<BackwardReply, CallError> {
+        let req = Request {
+            dry: true,
+            ..self.request(stage, 0, 0, Op::Backward, 2)
+        };
+        self.backward_req(peer, &req, input, upstream).await
+    }
+
+    async fn backward_req(
+        &self,
+        peer: PeerId,
+        req: &Request,
+        input: &Tensor,
+        upstream: &Tensor,
+    ) -> Result<BackwardReply, CallError> {
         let frames = [
             tensor::encode(input, &self.codec)?,
             tensor::encode(upstream, &self.codec)?,
         ];
-        let req = self.request(stage, step, mb, Op::Backward, 2);
         let (header, frames) = self
-            .call(peer, &req, &[frames[0].as_slice(), frames[1].as_slice()])
+            .call(peer, req, &[frames[0].as_slice(), frames[1].as_slice()])
             .await?;
         let grad_input = match frames.first() {
             Some(f) => Some(finite_reply(

@@ -1,9 +1,10 @@
 //! `shoal probe`: one microbatch forward and backward through the swarm, one replica per
-//! stage, to check that a swarm works end to end (the trainer proper comes later).
+//! stage, to check that a swarm works end to end, training or not: the calls are probes
+//! (nothing kept, nothing accumulated), so the run's training is untouched.
 //!
 //! The replica of each stage is the one with the highest announced throughput. With
-//! `check`, the same pass is computed locally from the deterministic initial parameters and
-//! the losses compared, which holds while the swarm is at step 0.
+//! `check`, when every stage is at step 0, the same pass is computed locally from the
+//! deterministic initial parameters and the losses compared.
 
 use super::client::{CallError, StageClient};
 use super::registry::{self, RegistryError};
@@ -43,31 +44,54 @@ pub enum ProbeError {
     /// An announcement is unusable.
     #[error("bad announcement: {0}")]
     Announcement(String),
+    /// At step 0 the swarm's loss is not the local pass's.
+    #[error("the swarm's loss {swarm:.6} at step 0 is not the local pass's {local:.6}: a stage computes something else (check every peer runs this shoal version and the run's manifest)")]
+    Mismatch {
+        /// The swarm's loss.
+        swarm: f32,
+        /// The local pass's.
+        local: f32,
+    },
 }
 
-/// One call of the probe.
-#[derive(Debug, Clone)]
-pub struct Hop {
-    /// Stage called.
+/// What the probe saw at one stage.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StageProbe {
+    /// The stage.
     pub stage: usize,
-    /// `forward` or `backward`.
-    pub op: &'static str,
-    /// Replica.
+    /// The replica called.
     pub peer: String,
-    /// Wall time of the call.
-    pub ms: f64,
+    /// The replica's step, from an `info` call before the pass.
+    pub step: u64,
+    /// Round trip of that `info` call (no tensors), milliseconds.
+    pub rtt_ms: f64,
+    /// Wall time of the forward call (every stage but the last), milliseconds.
+    pub forward_ms: Option<f64>,
+    /// Wall time of the backward call, milliseconds.
+    pub backward_ms: f64,
+    /// Bytes sent to the replica (tensor frames, encoded).
+    pub bytes_sent: u64,
+    /// Bytes received from it.
+    pub bytes_received: u64,
+    /// The same tensors as f32, over the bytes that moved: the codec's compression.
+    pub codec_ratio: f64,
 }
 
 /// What the probe saw.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct ProbeReport {
     /// Loss from the last stage.
     pub loss: f32,
-    /// Calls in order.
-    pub hops: Vec<Hop>,
-    /// The same pass computed locally, when asked.
+    /// Per stage, in stage order.
+    pub stages: Vec<StageProbe>,
+    /// The same pass computed locally from the initial parameters, when asked and every
+    /// stage answered at step 0 (later, the swarm's parameters have moved on).
     pub local_loss: Option<f32>,
 }
+
+/// With `--check` on a swarm at step 0, the swarm's loss may differ from the local pass by
+/// this fraction (lossy activation codecs); more means a stage computes something else.
+const CHECK_TOLERANCE: f32 = 0.05;
 
 fn pick(anns: &[Announcement]) -> Option<&Announcement> {
     anns.iter()
@@ -97,7 +121,15 @@ async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<PeerId>, ProbeError>
     Ok(peers)
 }
 
-/// Runs one microbatch through the swarm.
+fn ms_since(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1e3
+}
+
+/// Runs one microbatch forward and backward through the swarm, one replica per stage,
+/// as a probe ([`crate::wire::msg::Request::dry`]): the replicas accumulate nothing, so a probe
+/// never changes training, and a swarm at any step answers. Fails only when a stage is
+/// missing or broken (a call fails, a loss or gradient is not finite, or with `check` at
+/// step 0 the loss is not the local pass's), saying which.
 pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeReport, ProbeError> {
     let cfg = &m.config;
     let count = cfg.stages.count;
@@ -112,7 +144,6 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
     let x = Tensor::from_vec(b.inputs, shape, &Device::Cpu).map_err(ModelError::from)?;
     let y = Tensor::from_vec(b.targets, shape, &Device::Cpu).map_err(ModelError::from)?;
     let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);
-    let mut hops = Vec::new();
     let fail = |stage: usize, peer: PeerId| {
         move |cause| ProbeError::Call {
             stage,
@@ -120,45 +151,76 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
             cause,
         }
     };
+    let moved = |c: &StageClient| {
+        let k = c.counters();
+        [&k.sent, &k.received, &k.raw].map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
+    };
+    // Each stage's step and round trip, before any tensor moves.
+    let mut stages = Vec::with_capacity(count);
+    for (s, &peer) in peers.iter().enumerate() {
+        let t0 = Instant::now();
+        let info = client.info(peer, s).await.map_err(fail(s, peer))?;
+        stages.push(StageProbe {
+            stage: s,
+            peer: peer.to_string(),
+            step: info.step,
+            rtt_ms: ms_since(t0),
+            forward_ms: None,
+            backward_ms: 0.0,
+            bytes_sent: 0,
+            bytes_received: 0,
+            codec_ratio: 0.0,
+        });
+    }
+    let mut tally = vec![[0u64; 3]; count];
     // Forward through every stage but the last, keeping each input for the backward.
     let mut inputs = vec![x.clone()];
     for (s, &peer) in peers.iter().enumerate().take(count - 1) {
-        let t0 = Instant::now();
+        let (t0, before) = (Instant::now(), moved(&client));
         let out = client
-            .forward(peer, s, 0, 0, &inputs[s])
+            .probe_forward(peer, s, &inputs[s])
             .await
             .map_err(fail(s, peer))?;
-        hops.push(Hop {
-            stage: s,
-            op: "forward",
-            peer: peer.to_string(),
-            ms: t0.elapsed().as_secs_f64() * 1e3,
-        });
+        stages[s].forward_ms = Some(ms_since(t0));
+        let after = moved(&client);
+        (0..3).for_each(|i| tally[s][i] += after[i] - before[i]);
         inputs.push(out);
     }
     let mut upstream = y.clone();
     let mut loss = f32::NAN;
     for s in (0..count).rev() {
         let peer = peers[s];
-        let t0 = Instant::now();
+        let (t0, before) = (Instant::now(), moved(&client));
         let r = client
-            .backward(peer, s, 0, 0, &inputs[s], &upstream)
+            .probe_backward(peer, s, &inputs[s], &upstream)
             .await
             .map_err(fail(s, peer))?;
-        hops.push(Hop {
-            stage: s,
-            op: "backward",
-            peer: peer.to_string(),
-            ms: t0.elapsed().as_secs_f64() * 1e3,
-        });
+        stages[s].backward_ms = ms_since(t0);
+        let after = moved(&client);
+        (0..3).for_each(|i| tally[s][i] += after[i] - before[i]);
         if let Some(l) = r.loss {
             loss = l;
         }
-        if let Some(g) = r.grad_input {
-            upstream = g;
+        match r.grad_input {
+            Some(g) => upstream = g,
+            None if s > 0 => return Err(broken(s, peer, "returned no input gradient")),
+            None => {}
         }
     }
-    let local_loss = if check {
+    for (st, [sent, received, raw]) in stages.iter_mut().zip(tally) {
+        st.bytes_sent = sent;
+        st.bytes_received = received;
+        st.codec_ratio = raw as f64 / (sent + received).max(1) as f64;
+    }
+    if !loss.is_finite() {
+        return Err(broken(
+            count - 1,
+            peers[count - 1],
+            "returned no finite loss",
+        ));
+    }
+    let at_start = stages.iter().all(|s| s.step == 0);
+    let local_loss = if check && at_start {
         let stages: Vec<Stage> = (0..count)
             .map(|i| Stage::new(cfg, i, &Device::Cpu))
             .collect::<Result<_, _>>()?;
@@ -170,11 +232,27 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
     } else {
         None
     };
+    if let Some(l) = local_loss {
+        if (l - loss).abs() > CHECK_TOLERANCE * l.abs() {
+            return Err(ProbeError::Mismatch {
+                swarm: loss,
+                local: l,
+            });
+        }
+    }
     Ok(ProbeReport {
         loss,
-        hops,
+        stages,
         local_loss,
     })
+}
+
+fn broken(stage: usize, peer: PeerId, what: &str) -> ProbeError {
+    ProbeError::Call {
+        stage,
+        peer: peer.to_string(),
+        cause: CallError::Protocol(what.into()),
+    }
 }
 
 /// Mean held-out loss of the swarm's current parameters over `batches` eval batches:

@@ -315,6 +315,22 @@ impl Replica {
         Ok((g, true))
     }
 
+    /// A probe's backward: recomputed from `input` at the current parameters, the loss and
+    /// input gradient returned, the parameter gradients dropped (nothing accumulated, no
+    /// kept forward used or removed).
+    pub fn probe_backward(
+        &mut self,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+    ) -> Result<StageGrads, ModelError> {
+        let mut g = match &self.sim {
+            Some(sim) => sim.backward(&self.stage, input, upstream, true)?,
+            None => self.stage.backward(input, upstream)?,
+        };
+        g.grads.clear();
+        Ok(g)
+    }
+
     /// (kept forwards recomputed as too stale, the largest staleness accumulated so far).
     pub fn staleness(&self) -> (u64, u64) {
         (self.stale_recomputed, self.max_staleness)

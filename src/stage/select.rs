@@ -114,8 +114,67 @@ pub fn rebalance(
     Some(target)
 }
 
+/// Which empty stage, if any, this peer (`me`) should move to: the swarm cannot train
+/// while a stage has nobody. `placed` is every serving peer's (id, stage), this one
+/// included. Every stage with two replicas or more keeps its lowest id; the others are
+/// the surplus, in id order, and the k-th of them fills the k-th empty stage. Every peer
+/// computes the same answer from the same view, so peers that started together (and all
+/// chose the same stage before anyone had announced) spread out at once, without a herd.
+pub fn fill_empty(stages: usize, placed: &[(String, usize)], me: &str) -> Option<usize> {
+    let mut by_stage: Vec<Vec<&str>> = vec![Vec::new(); stages];
+    for (peer, s) in placed {
+        if let Some(v) = by_stage.get_mut(*s) {
+            if !v.contains(&peer.as_str()) {
+                v.push(peer.as_str());
+            }
+        }
+    }
+    let empty: Vec<usize> = (0..stages).filter(|&s| by_stage[s].is_empty()).collect();
+    if empty.is_empty() {
+        return None;
+    }
+    let mut surplus: Vec<&str> = by_stage
+        .iter_mut()
+        .flat_map(|v| {
+            v.sort_unstable();
+            v.iter().skip(1).copied()
+        })
+        .collect();
+    surplus.sort_unstable();
+    let k = surplus.iter().position(|p| *p == me)?;
+    empty.get(k).copied()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn empty_stages_are_filled_by_the_surplus_in_id_order() {
+        let placed = |v: &[(&str, usize)]| -> Vec<(String, usize)> {
+            v.iter().map(|(p, s)| (p.to_string(), *s)).collect()
+        };
+        // Three peers on stage 0 of 3: a stays, b fills 1, c fills 2.
+        let all0 = placed(&[("c", 0), ("a", 0), ("b", 0)]);
+        assert_eq!(super::fill_empty(3, &all0, "a"), None);
+        assert_eq!(super::fill_empty(3, &all0, "b"), Some(1));
+        assert_eq!(super::fill_empty(3, &all0, "c"), Some(2));
+        // More surplus than holes: only the first moves.
+        let two = placed(&[("a", 0), ("b", 0), ("c", 1), ("d", 1)]);
+        let moved: Vec<_> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|p| super::fill_empty(3, &two, p))
+            .collect();
+        assert_eq!(moved, [None, Some(2), None, None]);
+        // No empty stage, or nobody to spare: nobody moves.
+        let full = placed(&[("a", 0), ("b", 1), ("c", 1)]);
+        assert!(["a", "b", "c"]
+            .iter()
+            .all(|p| super::fill_empty(2, &full, p).is_none()));
+        let thin = placed(&[("a", 0), ("b", 1)]);
+        assert!(["a", "b"]
+            .iter()
+            .all(|p| super::fill_empty(3, &thin, p).is_none()));
+    }
+
     use super::*;
 
     fn load(stage: usize, replicas: usize, total: f64) -> StageLoad {

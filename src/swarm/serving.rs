@@ -405,7 +405,14 @@ impl Ctx {
     }
 }
 
-/// Checks now and then whether to move to the weakest stage, and moves.
+/// How soon a peer checks for an empty stage after it starts serving, and again while one
+/// is empty and another stage has a replica to spare (randomised ×0.5–1.5).
+const FILL_CHECK: Duration = Duration::from_secs(1);
+
+/// Checks now and then whether to move to the weakest stage, and moves. An empty stage
+/// comes first and is checked for within about a second of serving: peers that started
+/// together may all have chosen one stage before any of them had announced, and the swarm
+/// cannot train until every stage has a replica ([`select::fill_empty`]).
 pub(super) async fn rebalance_loop(
     ctx: Arc<Ctx>,
     slot: Slot,
@@ -416,14 +423,37 @@ pub(super) async fn rebalance_loop(
 ) {
     let mut rng = Rng::new(seed);
     let me = ctx.net.local_peer_id().to_string();
+    let count = ctx.manifest.config.stages.count;
+    let mut fast = true;
     loop {
-        tokio::time::sleep(period.mul_f64(0.5 + rng.next_f64())).await;
+        let pause = if fast { FILL_CHECK } else { period };
+        tokio::time::sleep(pause.mul_f64(0.5 + rng.next_f64())).await;
         let current = slot_lock(&slot)
             .as_ref()
             .map(|s| (s.service.stage(), s.samples_per_s));
         let Some((mine, tp)) = current else {
             continue;
         };
+        if fast {
+            let Ok(live) = ctx.live().await else {
+                continue;
+            };
+            let mut placed: Vec<(String, usize)> = live
+                .iter()
+                .flatten()
+                .map(|a| (a.peer.clone(), a.stage as usize))
+                .collect();
+            placed.push((me.clone(), mine));
+            // Check again soon while a stage is empty and another has a replica to spare.
+            let held = (0..count)
+                .filter(|&s| placed.iter().any(|(_, at)| *at == s))
+                .count();
+            fast = held < count && placed.len() > held;
+            if let Some(target) = select::fill_empty(count, &placed, &me) {
+                move_to(&ctx, &slot, &moving, &moves, (mine, target), &live).await;
+            }
+            continue;
+        }
         if ctx.target(mine, tp).await.is_none() {
             continue;
         }
@@ -432,43 +462,54 @@ pub(super) async fn rebalance_loop(
         let Some((target, live)) = ctx.target(mine, tp).await else {
             continue;
         };
-        let _guard = moving.lock().await;
-        let Some(serving) = slot_lock(&slot).take() else {
-            continue;
-        };
-        (ctx.emit)(Event::Rebalancing {
-            from: mine,
-            to: target,
-        });
-        ctx.leave(serving).await;
-        let others = |s: usize| -> Vec<Announcement> {
-            live[s].iter().filter(|a| a.peer != me).cloned().collect()
-        };
-        let serving = match ctx.serve(target, &others(target)).await {
-            Ok(s) => {
-                moves.fetch_add(1, Ordering::Relaxed);
-                Some(s)
-            }
-            Err(e) => {
-                (ctx.emit)(Event::MoveFailed {
-                    to: target,
-                    back: mine,
-                    error: e.to_string(),
-                });
-                match ctx.serve(mine, &others(mine)).await {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        (ctx.emit)(Event::ReturnFailed {
-                            stage: mine,
-                            error: e.to_string(),
-                        });
-                        None
-                    }
+        move_to(&ctx, &slot, &moving, &moves, (mine, target), &live).await;
+        fast = true;
+    }
+}
+
+/// Leaves stage `from` and serves `to` (back to `from` if that fails).
+async fn move_to(
+    ctx: &Ctx,
+    slot: &Slot,
+    moving: &tokio::sync::Mutex<()>,
+    moves: &AtomicU64,
+    (from, to): (usize, usize),
+    live: &[Vec<Announcement>],
+) {
+    let me = ctx.net.local_peer_id().to_string();
+    let _guard = moving.lock().await;
+    let Some(serving) = slot_lock(slot).take() else {
+        return;
+    };
+    (ctx.emit)(Event::Rebalancing { from, to });
+    ctx.leave(serving).await;
+    let others = |s: usize| -> Vec<Announcement> {
+        live[s].iter().filter(|a| a.peer != me).cloned().collect()
+    };
+    let serving = match ctx.serve(to, &others(to)).await {
+        Ok(s) => {
+            moves.fetch_add(1, Ordering::Relaxed);
+            Some(s)
+        }
+        Err(e) => {
+            (ctx.emit)(Event::MoveFailed {
+                to,
+                back: from,
+                error: e.to_string(),
+            });
+            match ctx.serve(from, &others(from)).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    (ctx.emit)(Event::ReturnFailed {
+                        stage: from,
+                        error: e.to_string(),
+                    });
+                    None
                 }
             }
-        };
-        *slot_lock(&slot) = serving;
-    }
+        }
+    };
+    *slot_lock(slot) = serving;
 }
 
 pub(super) struct Refresh {

@@ -183,6 +183,11 @@ pub struct Request {
     /// The chunk asked for, for [`Op::StateChunk`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk: Option<ChunkReq>,
+    /// A probe (`shoal probe`): a forward keeps nothing and a backward returns the loss
+    /// and input gradient but accumulates nothing, so the run's training is untouched;
+    /// the caller's step is not checked. Peers from before this field refuse it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dry: bool,
 }
 
 /// Why a replica refused a request. Stable names: trainers branch on them.
@@ -429,6 +434,7 @@ mod tests {
                 chunk: 1,
             }),
             chunk: None,
+            dry: false,
         };
         let bytes = encode_header(&r);
         let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);

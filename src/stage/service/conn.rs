@@ -304,7 +304,9 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         ));
     }
     let step = shared.step();
-    if matches!(req.op, Op::Forward | Op::Backward) && req.step.saturating_add(MAX_STALENESS) < step
+    if matches!(req.op, Op::Forward | Op::Backward)
+        && !req.dry
+        && req.step.saturating_add(MAX_STALENESS) < step
     {
         return Some(refusal(
             shared,

@@ -140,7 +140,8 @@ impl Worker {
         let input = self.input(&r, &frames[0], "input")?;
         match req.op {
             Op::Forward => {
-                let out = r.forward(&input, req.mb)?;
+                // A probe's forward keeps nothing (microbatch 0 is never kept).
+                let out = r.forward(&input, if req.dry { 0 } else { req.mb })?;
                 drop(r);
                 let frame = self.encode(&out)?;
                 Ok(Reply {
@@ -155,7 +156,11 @@ impl Worker {
                 } else {
                     Upstream::Grad(&up)
                 };
-                let (g, fresh) = r.backward(&input, upstream, req.mb)?;
+                let (g, fresh) = if req.dry {
+                    (r.probe_backward(&input, upstream)?, false)
+                } else {
+                    r.backward(&input, upstream, req.mb)?
+                };
                 let status = ReplicaStatus::of(&r);
                 drop(r);
                 if fresh {
