@@ -77,6 +77,9 @@ pub fn demo(
         p.completed,
         p.failed
     );
+    if let Some(s) = r.first_step_s {
+        println!("first step applied {s:.1} s after launch");
+    }
     println!(
         "wire: trainers moved {:.1} MB of frames for {:.1} MB of f32 tensors ({:.2}x smaller)",
         p.wire as f64 / 1e6,

@@ -59,6 +59,9 @@ pub struct DemoReport {
     pub hashes: Vec<Vec<(String, u64, String)>>,
     /// Whether every stage's replicas agree on step and hash.
     pub identical: bool,
+    /// Seconds from the demo's launch (before the bootstrap peer starts) until a trainer
+    /// saw the first step applied; `None` if none was.
+    pub first_step_s: Option<f64>,
 }
 
 /// The run the demo trains.
@@ -89,6 +92,7 @@ async fn run_in(
     dir: &Path,
     out: &(dyn Fn(String) + Sync),
 ) -> Result<DemoReport, HarnessError> {
+    let launched = Instant::now();
     let run_cfg = demo_config(cfg.stages, cfg.steps);
     let m = Manifest::from_config(&run_cfg).map_err(|e| HarnessError::Process(e.to_string()))?;
     let manifest_path = dir.join("run.toml");
@@ -131,9 +135,15 @@ async fn run_in(
     let mut churned = !cfg.churn;
     let mut joiner: Option<Proc> = None;
     let mut next_print = Instant::now();
+    let mut first_step_s = None;
     loop {
         latest_progress(&mut trainers, &mut last);
         let step = last.iter().map(|p| p.step).max().unwrap_or(0);
+        if step >= 1 && first_step_s.is_none() {
+            let s = launched.elapsed().as_secs_f64();
+            first_step_s = Some(s);
+            out(format!("first step applied {s:.1} s after launch"));
+        }
         if !churned && step >= cfg.steps * 2 / 5 {
             churned = true;
             let mid = cfg.stages / 2;
@@ -201,6 +211,7 @@ async fn run_in(
         target: run_cfg.training.target_loss,
         hashes,
         identical,
+        first_step_s,
     })
 }
 

@@ -46,6 +46,18 @@ pub fn weakest(loads: &[StageLoad]) -> Option<usize> {
         .map(|l| l.stage)
 }
 
+/// [`weakest`], with ties (equal totals and replica counts) broken by `pick` (a number
+/// that differs between peers) instead of the lower index.
+pub fn weakest_of(loads: &[StageLoad], pick: usize) -> Option<usize> {
+    let w = loads.iter().find(|l| Some(l.stage) == weakest(loads))?;
+    let tied: Vec<usize> = loads
+        .iter()
+        .filter(|l| l.total == w.total && l.replicas == w.replicas)
+        .map(|l| l.stage)
+        .collect();
+    tied.get(pick % tied.len().max(1)).copied()
+}
+
 /// Balance quality below which peers move: the swarm's minimum stage throughput over the
 /// best minimum its replicas could reach (Petals uses the same 0.75).
 pub const BALANCE_QUALITY: f64 = 0.75;
@@ -147,6 +159,21 @@ pub fn fill_empty(stages: usize, placed: &[(String, usize)], me: &str) -> Option
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ties_for_the_weakest_stage_are_broken_by_the_pick() {
+        let load = |stage, replicas, total| StageLoad {
+            stage,
+            replicas,
+            total,
+        };
+        let l = [load(0, 1, 50.0), load(1, 0, 0.0), load(2, 0, 0.0)];
+        assert_eq!(super::weakest_of(&l, 0), Some(1));
+        assert_eq!(super::weakest_of(&l, 1), Some(2));
+        assert_eq!(super::weakest_of(&l, 7), Some(2));
+        let l = [load(0, 1, 50.0), load(1, 0, 0.0), load(2, 1, 0.0)];
+        assert_eq!(super::weakest_of(&l, 1), Some(1));
+    }
+
     #[test]
     fn empty_stages_are_filled_by_the_surplus_in_id_order() {
         let placed = |v: &[(&str, usize)]| -> Vec<(String, usize)> {

@@ -326,14 +326,11 @@ impl Peer {
             }
             StageChoice::Auto => {
                 let anns: Vec<Announcement> = per_stage.iter().flatten().cloned().collect();
-                if anns.is_empty() {
-                    // Nobody announced yet (peers started together): spread by peer id;
-                    // the rebalancer fills a stage still empty within seconds.
-                    let me = net.local_peer_id().to_string();
-                    Some(crate::rng::derive_seed(0, &me) as usize % count)
-                } else {
-                    Some(select::weakest(&select::loads(count, &anns)).unwrap_or(0))
-                }
+                // Ties (empty stages, when peers start together) are broken by peer id,
+                // so joiners spread; the rebalancer fills a stage still empty in seconds.
+                let me = net.local_peer_id().to_string();
+                let pick = crate::rng::derive_seed(0, &me) as usize;
+                Some(select::weakest_of(&select::loads(count, &anns), pick).unwrap_or(0))
             }
             StageChoice::None => None,
         };

@@ -409,6 +409,11 @@ impl Ctx {
 /// is empty and another stage has a replica to spare (randomised ×0.5–1.5).
 const FILL_CHECK: Duration = Duration::from_secs(1);
 
+/// A replica that vanished from the announcements is still counted where it was for this
+/// long when filling empty stages: it may be moving (it withdrew, and announces on its new
+/// stage once it serves there), and peers that do not see it would fill its target again.
+const IN_TRANSIT: Duration = Duration::from_secs(5);
+
 /// Checks now and then whether to move to the weakest stage, and moves. An empty stage
 /// comes first and is checked for within about a second of serving: peers that started
 /// together may all have chosen one stage before any of them had announced, and the swarm
@@ -425,6 +430,7 @@ pub(super) async fn rebalance_loop(
     let me = ctx.net.local_peer_id().to_string();
     let count = ctx.manifest.config.stages.count;
     let mut fast = true;
+    let mut seen: std::collections::HashMap<String, (usize, Instant)> = Default::default();
     loop {
         let pause = if fast { FILL_CHECK } else { period };
         tokio::time::sleep(pause.mul_f64(0.5 + rng.next_f64())).await;
@@ -438,12 +444,14 @@ pub(super) async fn rebalance_loop(
             let Ok(live) = ctx.live().await else {
                 continue;
             };
-            let mut placed: Vec<(String, usize)> = live
-                .iter()
-                .flatten()
-                .map(|a| (a.peer.clone(), a.stage as usize))
-                .collect();
-            placed.push((me.clone(), mine));
+            let now = Instant::now();
+            for a in live.iter().flatten() {
+                seen.insert(a.peer.clone(), (a.stage as usize, now));
+            }
+            seen.insert(me.clone(), (mine, now));
+            seen.retain(|_, (_, at)| now.duration_since(*at) < IN_TRANSIT);
+            let placed: Vec<(String, usize)> =
+                seen.iter().map(|(p, (s, _))| (p.clone(), *s)).collect();
             // Check again soon while a stage is empty and another has a replica to spare.
             let held = (0..count)
                 .filter(|&s| placed.iter().any(|(_, at)| *at == s))
