@@ -49,16 +49,28 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
         }
     }
     let (cfg, bootstrap) = client_config(&a.net)?;
+    let tried: Vec<String> = bootstrap.iter().map(|b| b.to_string()).collect();
+    let run = a.run.clone();
     let rt = runtime()?;
     let runs = rt.block_on(async move {
         let handle = net::start(cfg)?;
         shoal::swarm::peer::join(&handle, &bootstrap).await?;
-        let runs = status::gather(&handle, a.run.as_deref()).await?;
+        let runs = status::gather(&handle, run.as_deref()).await?;
         handle.shutdown().await;
         Ok::<_, anyhow::Error>(runs)
     })?;
     if a.json {
         println!("{}", status::to_json(&runs));
+    } else if runs.is_empty() {
+        let which = a
+            .run
+            .as_deref()
+            .map_or(String::new(), |r| format!(" of run {r}"));
+        println!(
+            "no serving peers{which} found through {}: the bootstrap peer answered, but no replica is announced in the DHT; peers announce within seconds of printing `ready` — check that they run (with this swarm's --swarm-key, if private){}",
+            tried.join(", "),
+            if which.is_empty() { "" } else { " and that the run id is right" }
+        );
     } else {
         print!("{}", status::render(&runs));
     }

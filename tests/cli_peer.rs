@@ -369,3 +369,34 @@ fn identity_persists_and_killed_peers_expire_from_status() {
     let mut again = PeerProc::spawn(d, &args);
     assert_eq!(again.addr().rsplit('/').next().unwrap(), victim_id);
 }
+
+/// `shoal status` through a peer that serves no stage: it says which bootstrap peer it
+/// asked and what to check, on one line that ends with a newline.
+#[test]
+fn status_with_nothing_announced_names_the_bootstrap_and_what_to_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    new_run(d);
+    let mut boot = PeerProc::spawn(
+        d,
+        &[
+            "--run",
+            "run.toml",
+            "--stage",
+            "none",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ],
+    );
+    let baddr = boot.addr();
+    boot.wait_for("ready");
+    let out = shoal(d, &["status", "--bootstrap", &baddr]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(text.ends_with('\n'), "{text:?}");
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(
+        text.contains(&baddr) && text.contains("--swarm-key"),
+        "{text}"
+    );
+}
