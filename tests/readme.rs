@@ -231,8 +231,7 @@ impl Walk {
         if line.starts_with("shoal run new") {
             let id = stdout
                 .split_whitespace()
-                .filter(|w| w.len() == 32 && w.chars().all(|c| c.is_ascii_hexdigit()))
-                .last()
+                .rfind(|w| w.len() == 32 && w.chars().all(|c| c.is_ascii_hexdigit()))
                 .map(str::to_string);
             if id.is_none() {
                 self.fail(format!("{line}: printed no run id: {stdout}"));
