@@ -23,6 +23,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// A replica whose progress has not been heard for this long leaves the views.
+const FORGET_AFTER: Duration = Duration::from_secs(60);
+
 pub(super) struct State {
     /// This replica announced that it leaves.
     pub(super) left: bool,
@@ -88,6 +91,10 @@ impl State {
                     None => return,
                 },
                 Some(peers) = mrx.recv() => {
+                    // The stage's replicas are those announced now: a replica that died
+                    // without a word drops out when its announcement expires (else
+                    // heartbeats went to it for ever, a failed dial each).
+                    self.known.retain(|k| peers.iter().any(|(p, _)| p == k));
                     for (p, addrs) in peers {
                         if p != self.me {
                             let _ = self.client.net().add_addresses(p, addrs).await;
@@ -260,6 +267,11 @@ impl State {
     }
 
     async fn tick(&mut self) {
+        // A replica not heard from for long is forgotten (any leader counted what it held
+        // as lost within seconds); it is heard from again if it is alive.
+        let now = Instant::now();
+        self.views
+            .retain(|_, v| now.saturating_duration_since(v.at) < FORGET_AFTER);
         let st = self.status();
         self.step.store(st.params_step, Ordering::Relaxed);
         self.heartbeat(&st);

@@ -107,7 +107,7 @@ impl State {
             Err(why) => {
                 self.reject(from, key, &format!("part chunk {chunk}: {why}"));
                 match &mut self.tally {
-                    Some(t) => t.exclude_part(m, chunk, (&own, own_count)),
+                    Some(t) => t.exclude_part(m, chunk, count, (&own, own_count)),
                     None => return,
                 }
             }
@@ -217,8 +217,11 @@ impl State {
             deadline: Instant::now() + timeout,
             started: Instant::now(),
         });
-        self.tally =
-            Some(Tally::new(key, layout.clone(), index).with_aggregate(self.cfg.aggregate));
+        self.tally = Some(
+            Tally::new(key, layout.clone(), index)
+                .with_aggregate(self.cfg.aggregate)
+                .with_own_declared(frozen.count),
+        );
         let to: Vec<(usize, PeerId)> = members
             .iter()
             .copied()

@@ -131,7 +131,11 @@ struct Partial {
     sum: Vec<f64>,
     means: Vec<Vec<f32>>,
     from: Vec<bool>,
+    /// Samples of the copies summed (what the average divides by).
     count: u64,
+    /// Samples every member declared for the step, rejected copies included: the
+    /// step's total, the same for every chunk whatever was left out of one.
+    declared: u64,
 }
 
 impl Partial {
@@ -199,6 +203,7 @@ pub struct Tally {
     reduced: Vec<Option<Arc<Vec<u8>>>>,
     missing: usize,
     total: Option<u64>,
+    own_declared: Option<u64>,
     aggregate: Aggregate,
 }
 
@@ -216,6 +221,7 @@ impl Tally {
             partial: HashMap::new(),
             total: None,
             aggregate: Aggregate::Mean,
+            own_declared: None,
         }
     }
 
@@ -258,13 +264,23 @@ impl Tally {
         values: &[f32],
         own: (&[f32], u64),
     ) -> Taken {
-        self.take(from, c, Some((values, count)), own)
+        self.take(from, c, Some((values, count)), count, own)
     }
 
-    /// Member `from`'s copy of chunk `c` was rejected (it did not pass the checks): the
-    /// chunk is reduced without it.
-    pub fn exclude_part(&mut self, from: usize, c: u32, own: (&[f32], u64)) -> Taken {
-        self.take(from, c, None, own)
+    /// Member `from`'s copy of chunk `c`, declared over `count` samples, was rejected (it
+    /// did not pass the checks): the chunk is reduced without it. The reduced chunk's total
+    /// still counts those samples, so every chunk of the round reports the same total (a
+    /// member refuses reduced chunks whose totals disagree, and the round would never end).
+    pub fn exclude_part(&mut self, from: usize, c: u32, count: u64, own: (&[f32], u64)) -> Taken {
+        self.take(from, c, None, count, own)
+    }
+
+    /// This replica's own copy declares `count` samples whatever `own` holds (an own
+    /// copy that overflowed is left out as zeros over 0 samples, its samples still in
+    /// the step's total).
+    pub fn with_own_declared(mut self, count: u64) -> Self {
+        self.own_declared = Some(count);
+        self
     }
 
     fn take(
@@ -272,6 +288,7 @@ impl Tally {
         from: usize,
         c: u32,
         part: Option<(&[f32], u64)>,
+        declared: u64,
         own: (&[f32], u64),
     ) -> Taken {
         let k = self.layout.members();
@@ -291,12 +308,14 @@ impl Tally {
             return Taken::Refused("chunk already reduced");
         }
         let aggregate = self.aggregate;
+        let own_declared = self.own_declared.unwrap_or(own.1);
         let p = self.partial.entry(c).or_insert_with(|| {
             let mut p = Partial {
                 sum: vec![0.0; range.len()],
                 means: Vec::new(),
                 from: vec![false; k],
                 count: 0,
+                declared: own_declared,
             };
             p.add(aggregate, own.0, own.1);
             p
@@ -305,6 +324,7 @@ impl Tally {
             return Taken::Refused("a member's chunk twice");
         }
         p.from[from] = true;
+        p.declared += declared;
         if let Some((values, count)) = part {
             p.add(aggregate, values, count);
         }
@@ -318,7 +338,7 @@ impl Tally {
         Taken::Reduced {
             chunk: c,
             avg: p.result(aggregate, range.len()),
-            total: p.count,
+            total: p.declared,
         }
     }
 
@@ -332,7 +352,7 @@ impl Tally {
         Taken::Reduced {
             chunk: c,
             avg: reduce::average(&sum, own.1),
-            total: own.1,
+            total: self.own_declared.unwrap_or(own.1),
         }
     }
 

@@ -154,11 +154,11 @@ fn a_rejected_copy_is_left_out_and_centered_clip_reduces_the_rest() -> TestResul
     assert_eq!(t.add_part(1, 0, 2, &[6.0, 8.0], (&own, 2)), Taken::Waiting);
     // Member 2's copy was rejected: the mean is over members 0 and 1 only.
     assert_eq!(
-        t.exclude_part(2, 0, (&own, 2)),
+        t.exclude_part(2, 0, 3, (&own, 2)),
         Taken::Reduced {
             chunk: 0,
             avg: vec![2.0, 3.0],
-            total: 4
+            total: 7
         }
     );
     // CenteredClip: three agreeing members and nothing else give their mean gradient.
@@ -172,5 +172,35 @@ fn a_rejected_copy_is_left_out_and_centered_clip_reduces_the_rest() -> TestResul
         }
         other => return Err(format!("not reduced: {other:?}").into()),
     }
+    Ok(())
+}
+
+#[test]
+fn a_round_with_a_rejected_copy_still_completes_with_one_total() -> TestResult {
+    // Two members (the soak's stall): chunks 0..2, 2..4, 4..6; member 0 (this replica)
+    // owns chunks 0 and 1, and member 1's copy of chunk 1 is rejected. Both reduced chunks
+    // carry the step's total, so they are taken (a total that differs between chunks is
+    // refused, and the round never completed) and the gradient is assembled.
+    let l = Layout::new(6, 2, 2);
+    let own = [1.0f32, 1.0, 2.0, 2.0];
+    let mut t = Tally::new((5, 1), l, 0).with_own_declared(16);
+    let mut totals = Vec::new();
+    for (c, taken) in [
+        (0, t.add_part(1, 0, 16, &[3.0, 3.0], (&own[..2], 16))),
+        (1, t.exclude_part(1, 1, 16, (&own[2..], 16))),
+    ] {
+        let Taken::Reduced { avg, total, .. } = taken else {
+            return Err(format!("chunk {c} was not reduced").into());
+        };
+        totals.push(total);
+        assert!(t.add_reduced(0, c, frame(&avg)?, total), "chunk {c}");
+    }
+    assert_eq!(totals, [32, 32]);
+    assert!(t.add_reduced(1, 2, frame(&[0.5, 0.5])?, 32));
+    let (chunks, total) = t.take_reduced().ok_or("not complete")?;
+    assert_eq!(total, 32);
+    // Chunk 0 averages both copies over 32 samples; chunk 1 is this replica's alone.
+    let f = Frames::new(chunks, 6)?;
+    assert_eq!(f.read(0..6)?, vec![0.125, 0.125, 0.125, 0.125, 0.5, 0.5]);
     Ok(())
 }

@@ -45,7 +45,8 @@ pub struct AveragingConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_iters: Option<u32>,
     /// A member's gradient chunk whose norm (per sample) exceeds this multiple of the
-    /// median of the chunk's recent norms is rejected (default 10; 0 turns the check off).
+    /// median of the chunk's recent norms is rejected (default 50, as honest chunks of a
+    /// small step reach 10×; 0 turns the check off).
     /// Chunks holding NaN or ±inf are always rejected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_norm_ratio: Option<f64>,
@@ -57,7 +58,7 @@ impl AveragingConfig {
     /// CenteredClip's iterations by default.
     pub const CLIP_ITERS: u32 = 10;
     /// The norm check's ratio by default.
-    pub const MAX_NORM_RATIO: f64 = 10.0;
+    pub const MAX_NORM_RATIO: f64 = 50.0;
 
     pub(super) fn is_default(&self) -> bool {
         *self == Self::default()
