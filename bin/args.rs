@@ -22,6 +22,17 @@ pub struct EventsArgs {
     pub events: Option<PathBuf>,
 }
 
+/// Where a process serves its metrics and dashboard.
+#[derive(Args, Clone, Debug)]
+pub struct ObserveArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9100).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Serve the live dashboard at http://ADDR/ (and its JSON at /api/status, /api/history).
+    #[arg(long, value_name = "ADDR")]
+    pub dashboard: Option<std::net::SocketAddr>,
+}
+
 #[derive(Subcommand)]
 pub enum RunCommand {
     /// Write the canonical manifest of a config and print its run id.
@@ -136,6 +147,8 @@ pub struct PeerArgs {
     pub counters_ms: u64,
     #[command(flatten)]
     pub events: EventsArgs,
+    #[command(flatten)]
+    pub observe: ObserveArgs,
 }
 
 #[derive(Args)]
@@ -177,6 +190,8 @@ pub struct SwarmTrainArgs {
     pub data: Option<PathBuf>,
     #[command(flatten)]
     pub events: EventsArgs,
+    #[command(flatten)]
+    pub observe: ObserveArgs,
 }
 
 #[derive(Args)]

@@ -3,6 +3,7 @@
 //! `--events` also written as JSON lines for harnesses and monitors.
 
 use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
+use crate::observe_cmd::Watch;
 use anyhow::{Context, Result};
 use shoal::averaging::AvgStats;
 use shoal::stage::client::StageClient;
@@ -99,13 +100,14 @@ pub async fn shutdown_signal() {
 
 /// The trainer loops of a peer, as their totals are read: their stats and their clients
 /// (whose byte counters they share, so they can be read after the peer stopped).
-struct Trainers {
-    stats: Vec<Arc<TrainerStats>>,
+#[derive(Clone)]
+pub(crate) struct Trainers {
+    pub(crate) stats: Vec<Arc<TrainerStats>>,
     clients: Vec<StageClient>,
 }
 
 impl Trainers {
-    fn of(peer: &Peer) -> Self {
+    pub(crate) fn of(peer: &Peer) -> Self {
         Self {
             stats: peer
                 .trainers()
@@ -116,7 +118,7 @@ impl Trainers {
         }
     }
 
-    fn progress(&self) -> Progress {
+    pub(crate) fn progress(&self) -> Progress {
         use std::sync::atomic::Ordering::Relaxed;
         let (mut wire, mut raw) = (0, 0);
         for c in &self.clients {
@@ -129,6 +131,12 @@ impl Trainers {
 
     /// Failed samples and swapped calls by reason, over every loop.
     fn reasons(&self) -> Event {
+        let (failed, swapped) = self.reason_maps();
+        Event::Reasons { failed, swapped }
+    }
+
+    /// (failed samples, swapped calls) by reason, over every loop.
+    pub(crate) fn reason_maps(&self) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
         let mut failed = BTreeMap::new();
         let mut swapped = BTreeMap::new();
         for s in &self.stats {
@@ -143,7 +151,7 @@ impl Trainers {
                 }
             }
         }
-        Event::Reasons { failed, swapped }
+        (failed, swapped)
     }
 }
 
@@ -172,11 +180,18 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     let rt = runtime()?;
     rt.block_on(async move {
         let o = out.clone();
-        let peer = Peer::start(cfg, move |e| o.emit(e)).await?;
+        let watch = Watch::new(&a.observe);
+        let w = watch.clone();
+        let peer = Peer::start(cfg, move |e| {
+            w.event(&e);
+            o.emit(e)
+        })
+        .await?;
+        let trainers = Trainers::of(&peer);
+        let _servers = watch.serve(&peer, &trainers).await?;
         out.emit(Event::Ready {
             peer: peer.net().local_peer_id().to_string(),
         });
-        let trainers = Trainers::of(&peer);
         let report_every = Duration::from_secs(5);
         let tick = counters_every.map_or(report_every, |c| c.min(report_every));
         let started = Instant::now();
@@ -222,8 +237,15 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     let rt = runtime()?;
     rt.block_on(async move {
         let o = out.clone();
-        let peer = Peer::start(cfg, move |e| o.emit(e)).await?;
+        let watch = Watch::new(&a.observe);
+        let w = watch.clone();
+        let peer = Peer::start(cfg, move |e| {
+            w.event(&e);
+            o.emit(e)
+        })
+        .await?;
         let trainers = Trainers::of(&peer);
+        let _servers = watch.serve(&peer, &trainers).await?;
         let started = Instant::now();
         let stop = shutdown_signal();
         tokio::pin!(stop);

@@ -9,6 +9,7 @@ mod client_cmds;
 mod data_cmds;
 mod harness;
 mod model_cmds;
+mod observe_cmd;
 mod peer_cmd;
 
 use anyhow::{bail, Context, Result};

@@ -35,6 +35,7 @@ pub mod dht;
 pub mod files;
 pub mod model;
 pub mod net;
+pub mod observe;
 pub mod rng;
 pub mod stage;
 pub mod swarm;

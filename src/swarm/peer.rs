@@ -416,6 +416,14 @@ impl Peer {
         slot_lock(&self.slot).as_ref().map(|s| s.service.stage())
     }
 
+    /// A handle that reads what this peer serves now (its stage service and averager's
+    /// counters), for observers that outlive a borrow of the peer (metrics, dashboard).
+    pub fn watch(&self) -> PeerWatch {
+        PeerWatch {
+            slot: Arc::clone(&self.slot),
+        }
+    }
+
     /// The stage service, if serving.
     pub fn service(&self) -> Option<Arc<StageService>> {
         slot_lock(&self.slot)
@@ -490,5 +498,27 @@ impl Drop for Peer {
         if let Some(s) = slot_lock(&self.slot).take() {
             s.refresher.abort();
         }
+    }
+}
+
+/// What a peer serves now, read without holding the peer ([`Peer::watch`]).
+#[derive(Clone)]
+pub struct PeerWatch {
+    slot: super::serving::Slot,
+}
+
+impl PeerWatch {
+    /// The stage service, if serving.
+    pub fn service(&self) -> Option<Arc<StageService>> {
+        slot_lock(&self.slot)
+            .as_ref()
+            .map(|s| Arc::clone(&s.service))
+    }
+
+    /// The averager's counters, when serving.
+    pub fn avg_stats(&self) -> Option<Arc<AvgStats>> {
+        slot_lock(&self.slot)
+            .as_ref()
+            .map(|s| Arc::clone(s.averager.stats()))
     }
 }

@@ -1,0 +1,131 @@
+//! `--metrics ADDR` and `--dashboard ADDR` of `shoal peer` and `shoal train`: the process's
+//! counters as Prometheus metrics and a live dashboard, served over HTTP while it runs.
+
+use crate::args::ObserveArgs;
+use crate::peer_cmd::Trainers;
+use anyhow::{Context, Result};
+use shoal::observe::http::{self, Pages, Server, State};
+use shoal::observe::{ReplicaView, Snapshot, Source};
+use shoal::swarm::events::{peak_rss_bytes, Event};
+use shoal::swarm::peer::{Peer, PeerWatch};
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+/// What the source reads once the peer runs.
+struct Parts {
+    peer: String,
+    run: String,
+    watch: PeerWatch,
+    trainers: Trainers,
+    started: Instant,
+}
+
+/// The observers of one process (none without `--metrics`/`--dashboard`).
+#[derive(Clone)]
+pub struct Watch {
+    state: Option<Arc<State>>,
+    parts: Arc<OnceLock<Parts>>,
+    metrics: Option<SocketAddr>,
+    dashboard: Option<SocketAddr>,
+}
+
+impl Watch {
+    pub fn new(a: &ObserveArgs) -> Self {
+        let parts: Arc<OnceLock<Parts>> = Arc::new(OnceLock::new());
+        let p = Arc::clone(&parts);
+        let source: Source = Arc::new(move || p.get().map(snapshot).unwrap_or_default());
+        let wanted = a.metrics.is_some() || a.dashboard.is_some();
+        Self {
+            state: wanted.then(|| State::new(source, None)),
+            parts,
+            metrics: a.metrics,
+            dashboard: a.dashboard,
+        }
+    }
+
+    /// Notes the events a dashboard shows (moves, state downloads, leaving).
+    pub fn event(&self, e: &Event) {
+        let Some(st) = &self.state else { return };
+        if matches!(
+            e,
+            Event::Serving { .. }
+                | Event::Synced { .. }
+                | Event::Rebalancing { .. }
+                | Event::MoveFailed { .. }
+                | Event::Leaving { .. }
+                | Event::Resumed { .. }
+                | Event::Warning { .. }
+        ) {
+            st.event(e.to_string());
+        }
+    }
+
+    /// Starts serving, for `peer` and its `trainers`.
+    pub async fn serve(&self, peer: &Peer, trainers: &Trainers) -> Result<Vec<Server>> {
+        let Some(state) = &self.state else {
+            return Ok(Vec::new());
+        };
+        let _ = self.parts.set(Parts {
+            peer: peer.net().local_peer_id().to_string(),
+            run: peer.manifest().id.clone(),
+            watch: peer.watch(),
+            trainers: trainers.clone(),
+            started: Instant::now(),
+        });
+        // The dashboard's swarm view reads the DHT through this peer.
+        state.set_net(peer.net().clone(), peer.manifest().id.clone());
+        let mut servers = Vec::new();
+        let both = self.metrics.is_some() && self.metrics == self.dashboard;
+        if let Some(addr) = self.metrics {
+            let pages = Pages {
+                metrics: true,
+                dashboard: both,
+            };
+            let s = http::serve(addr, Arc::clone(state), pages)
+                .await
+                .with_context(|| format!("cannot listen on {addr} for --metrics"))?;
+            eprintln!("metrics at http://{}/metrics", s.addr);
+            servers.push(s);
+        }
+        if let (Some(addr), false) = (self.dashboard, both) {
+            let pages = Pages {
+                metrics: true,
+                dashboard: true,
+            };
+            let s = http::serve(addr, Arc::clone(state), pages)
+                .await
+                .with_context(|| format!("cannot listen on {addr} for --dashboard"))?;
+            eprintln!("dashboard at http://{}/", s.addr);
+            servers.push(s);
+        }
+        Ok(servers)
+    }
+}
+
+fn snapshot(p: &Parts) -> Snapshot {
+    let replica = p.watch.service().map(|s| {
+        let st = s.status();
+        ReplicaView {
+            stage: s.stage(),
+            step: st.params_step,
+            params_hash: st.params_hash,
+            queue: (s.queue_len(), s.queue_cap()),
+            samples_applied: st.samples_applied,
+            samples_lost: st.samples_lost,
+            counters: s.counters().snapshot(),
+            averaging: p.watch.avg_stats().map(|a| a.snapshot()),
+        }
+    });
+    let (failed, swapped) = p.trainers.reason_maps();
+    Snapshot {
+        peer: p.peer.clone(),
+        run: p.run.clone(),
+        seconds: p.started.elapsed().as_secs_f64(),
+        replica,
+        trainer: (!p.trainers.stats.is_empty()).then(|| p.trainers.progress()),
+        failed,
+        swapped,
+        peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+    }
+}
