@@ -400,3 +400,55 @@ fn status_with_nothing_announced_names_the_bootstrap_and_what_to_check() {
         "{text}"
     );
 }
+
+/// Two peers, one per stage, each with the trainer every `shoal peer` runs by default:
+/// each trainer calls its own peer's stage too (through a node of its own: a node cannot
+/// dial itself), so the swarm trains. Before, neither trainer completed a microbatch.
+#[test]
+fn two_peers_with_their_default_trainers_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    new_run(d);
+    let listen = ["--listen", "/ip4/127.0.0.1/tcp/0"];
+    let mut a = PeerProc::spawn(
+        d,
+        &[
+            &["--run", "run.toml", "--identity", "a.key", "--stage", "0"][..],
+            &listen,
+        ]
+        .concat(),
+    );
+    let baddr = a.addr();
+    a.wait_for("ready");
+    let mut b = PeerProc::spawn(
+        d,
+        &[
+            &["--run", "run.toml", "--identity", "b.key", "--stage", "1"][..],
+            &["--bootstrap", &baddr],
+            &listen,
+        ]
+        .concat(),
+    );
+    b.wait_for("ready");
+    for p in [&mut a, &mut b] {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let completed = loop {
+            let l = p.wait_for("trainers: step");
+            p.seen.retain(|s| *s != l);
+            let n: u64 = l
+                .split_whitespace()
+                .skip_while(|w| *w != "completed")
+                .nth(1)
+                .unwrap()
+                .parse()
+                .unwrap();
+            if n > 0 || Instant::now() > deadline {
+                break n;
+            }
+        };
+        assert!(
+            completed > 0,
+            "a trainer beside its stage completed nothing"
+        );
+    }
+}

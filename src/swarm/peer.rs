@@ -200,6 +200,8 @@ pub struct Peer {
     manifest_keeper: tokio::task::JoinHandle<()>,
     moves: Arc<AtomicU64>,
     trainers: Vec<Trainer>,
+    /// The trainers' own network node, beside a stage (see [`Peer::start`]).
+    trainer_net: Option<NetHandle>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -343,6 +345,7 @@ impl Peer {
             manifest_keeper,
             moves: Arc::new(AtomicU64::new(0)),
             trainers: Vec::new(),
+            trainer_net: None,
         };
         if let Some(stage_idx) = stage_idx {
             let serving = ctx.serve(stage_idx, &per_stage[stage_idx]).await?;
@@ -363,11 +366,27 @@ impl Peer {
             }
         }
         let me = net.local_peer_id().to_string();
+        // Trainers beside a stage get a network node of their own (a fresh identity,
+        // joined through this peer): a libp2p node cannot dial itself, so on this peer's
+        // node they could never call its own stage, and a swarm of one replica per stage
+        // with a trainer in every peer never trained.
+        let tnet = if cfg.trainers > 0 && stage_idx.is_some() && !peer.addrs.is_empty() {
+            let mut tc = cfg.net.clone();
+            tc.identity = libp2p::identity::Keypair::generate_ed25519();
+            tc.listen.clear();
+            tc.dht_server = false;
+            let tnet = net::start(tc)?;
+            join(&tnet, &peer.addrs).await?;
+            peer.trainer_net = Some(tnet.clone());
+            tnet
+        } else {
+            net.clone()
+        };
         for i in 0..cfg.trainers {
             let mut tcfg = cfg.trainer.clone();
             tcfg.index = crate::rng::derive_seed(cfg.trainer.index, &format!("{me}/{i}"));
             peer.trainers
-                .push(Trainer::spawn(net.clone(), &manifest, tcfg)?);
+                .push(Trainer::spawn(tnet.clone(), &manifest, tcfg)?);
         }
         if cfg.trainers > 0 {
             (ctx.emit)(Event::Trainers {
@@ -455,6 +474,9 @@ impl Peer {
         for t in std::mem::take(&mut self.trainers) {
             t.stop().await;
         }
+        if let Some(n) = self.trainer_net.take() {
+            n.shutdown().await;
+        }
         let _moving = self.moving.lock().await;
         if let Some(r) = self.rebalancer.take() {
             r.abort();
@@ -484,6 +506,9 @@ impl Peer {
         }
         if let Some(s) = slot_lock(&self.slot).take() {
             s.refresher.abort();
+        }
+        if let Some(n) = self.trainer_net.take() {
+            n.shutdown().await;
         }
         self.ctx.net.shutdown().await;
     }
