@@ -67,9 +67,6 @@ pub struct NetArgs {
     /// Private swarm key file (made by `shoal swarm key`): TCP with pnet only, no QUIC.
     #[arg(long, value_name = "FILE")]
     pub swarm_key: Option<PathBuf>,
-    /// Print network events to stderr.
-    #[arg(long, hide = true)]
-    pub verbose: bool,
     /// Emulate a home link on every connection (tests and benchmarks), e.g.
     /// `bw=100mbit,rtt=50ms` or `up=20mbit,down=100mbit,rtt=30ms`; TCP only.
     #[arg(long, value_name = "SPEC", hide = true)]
@@ -240,7 +237,6 @@ fn net_config(
         .as_deref()
         .map(keys::read_swarm_key)
         .transpose()?;
-    cfg.verbose = a.verbose;
     cfg.link = a
         .emulate_link
         .as_deref()

@@ -31,6 +31,46 @@ use std::time::Instant;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// More log lines on stderr (-v: info, -vv: debug, -vvv: trace); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Only errors on stderr.
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    /// Log lines as text, or as one JSON object per line (for log collectors).
+    #[arg(long, value_name = "text|json", default_value = "text", global = true)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Installs the `tracing` subscriber: logs go to stderr, filtered by `RUST_LOG` when set,
+/// else by -v/-q (shoal's own targets one level more verbose than the libraries').
+fn init_logging(cli: &Cli) {
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(f) if !f.is_empty() => EnvFilter::new(f),
+        _ => EnvFilter::new(match (cli.quiet, cli.verbose) {
+            (true, _) => "error",
+            (false, 0) => "warn",
+            (false, 1) => "warn,shoal=info",
+            (false, 2) => "info,shoal=debug",
+            _ => "debug,shoal=trace",
+        }),
+    };
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(true);
+    let _ = match cli.log_format {
+        LogFormat::Text => fmt.try_init(),
+        LogFormat::Json => fmt.json().try_init(),
+    };
 }
 
 #[derive(Subcommand)]
@@ -573,6 +613,7 @@ fn single_threaded_kernels(cli: &Cli) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(&cli);
     single_threaded_kernels(&cli);
     match run(cli) {
         Ok(code) => code,

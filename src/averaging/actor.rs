@@ -209,11 +209,12 @@ impl State {
         }
     }
 
+    /// A debug line of this averager (`RUST_LOG=shoal::averaging=debug`, or `-vv`).
     pub(super) fn debug(&self, what: impl FnOnce() -> String) {
-        if std::env::var_os("SHOAL_DEBUG_AVG").is_some() {
+        if tracing::enabled!(target: "shoal::averaging", tracing::Level::DEBUG) {
             let me = self.me.to_string();
             let short = &me[me.len().saturating_sub(6)..];
-            eprintln!("avg {short} s{}: {}", self.stage, what());
+            tracing::debug!(target: "shoal::averaging", replica = short, stage = self.stage, "{}", what());
         }
     }
 

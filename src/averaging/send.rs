@@ -167,10 +167,6 @@ fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
     avg.store(new.max(1), Ordering::Relaxed);
 }
 
-fn debug_avg() -> bool {
-    std::env::var_os("SHOAL_DEBUG_AVG").is_some()
-}
-
 /// Sends one message, retrying a round message (a lost one stalls the round until its
 /// deadline) while `live` says its attempt runs; true if it got through.
 async fn send_one(
@@ -195,9 +191,7 @@ async fn send_one(
             // A part for a round that is over: sending it again cannot help.
             Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return false,
             Err(e) => {
-                if debug_avg() {
-                    eprintln!("avg send to {peer} failed (try {i}): {e}");
-                }
+                tracing::debug!(target: "shoal::averaging", %peer, try_ = i, "send failed: {e}");
                 tokio::time::sleep(Duration::from_millis((50u64 << i).min(1000))).await;
             }
         }

@@ -83,8 +83,6 @@ pub struct NetConfig {
     pub idle_timeout: Duration,
     /// Most established connections.
     pub max_connections: u32,
-    /// Print network events to stderr.
-    pub verbose: bool,
     /// Emulate this access link on every TCP connection (QUIC off); tests and benchmarks.
     pub link: Option<link::LinkSpec>,
 }
@@ -101,7 +99,6 @@ impl NetConfig {
             provider_ttl: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(120),
             max_connections: 512,
-            verbose: false,
             link: None,
         }
     }
@@ -182,7 +179,7 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
     let control = swarm.behaviour().stream.new_control();
     let local = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(task::run(swarm, rx, cfg.verbose, cfg.relay_server));
+    tokio::spawn(task::run(swarm, rx, cfg.relay_server));
     Ok(NetHandle { tx, control, local })
 }
 

@@ -25,14 +25,12 @@ struct State {
     dials: HashMap<ConnectionId, (Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>,
     queries: HashMap<QueryId, Pending>,
     conns: HashMap<ConnectionId, ConnectionInfo>,
-    verbose: bool,
     relay_server: bool,
 }
 
 pub(crate) async fn run(
     mut swarm: Swarm<Behaviour>,
     mut rx: mpsc::Receiver<Command>,
-    verbose: bool,
     relay_server: bool,
 ) {
     let mut st = State {
@@ -40,7 +38,6 @@ pub(crate) async fn run(
         dials: HashMap::new(),
         queries: HashMap::new(),
         conns: HashMap::new(),
-        verbose,
         relay_server,
     };
     loop {
@@ -182,8 +179,8 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
             st.listen.push(address);
         }
         SwarmEvent::ExpiredListenAddr { address, .. } => st.listen.retain(|a| a != &address),
-        SwarmEvent::ListenerError { error, .. } if st.verbose => {
-            eprintln!("net: listener error: {error}");
+        SwarmEvent::ListenerError { error, .. } => {
+            tracing::warn!(target: "shoal::net", "listener error: {error}");
         }
         SwarmEvent::ConnectionEstablished {
             peer_id,
@@ -254,9 +251,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                     let _ = swarm.behaviour_mut().kad.store_mut().put(record);
                 }
                 Err(e) => {
-                    if st.verbose {
-                        eprintln!("net: refused a record from {source}: {e}");
-                    }
+                    tracing::debug!(target: "shoal::net", %source, "refused a record: {e}");
                 }
             },
             kad::InboundRequest::AddProvider {
@@ -278,9 +273,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                         match dht::validate(pr.record.key.as_ref(), &pr.record.value, now) {
                             Ok(()) => found.push(pr.record.value),
                             Err(e) => {
-                                if st.verbose {
-                                    eprintln!("net: ignored a record: {e}");
-                                }
+                                tracing::debug!(target: "shoal::net", "ignored a record: {e}");
                             }
                         }
                     }

@@ -415,12 +415,12 @@ mod tests {
         let text = render(&registry(source));
         for line in [
             "# TYPE shoal_step gauge",
-            "shoal_step 42",
+            "shoal_step 42.0",
             "shoal_requests_served_total 7",
             "shoal_compute_seconds_total 1.5",
             "shoal_network_bytes_total{kind=\"stage\",direction=\"in\"} 1024",
             "shoal_averaging_rounds_total 5",
-            "shoal_queue_depth 3",
+            "shoal_queue_depth 3.0",
             "shoal_trainer_loss 1.25",
             "shoal_trainer_samples_fed_total 64",
             "shoal_trainer_failures_total{reason=\"stage 1 timed out\"} 16",
