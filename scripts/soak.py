@@ -187,6 +187,8 @@ def main():
             "step": prog and prog["step"],
         }
         print(json.dumps(out))
+        with open(f"{w}/samples.json", "w") as f:
+            json.dump(samples, f)
         bad = []
         if not growth:
             bad.append("no process lived long enough to measure")
@@ -211,7 +213,8 @@ def main():
         if not os.environ.get("KEEP"):
             subprocess.run(["rm", "-rf", w])
         else:
-            print(f"soak: files kept in {w}", file=sys.stderr)
+            print(f"soak: files kept in {w} (samples.json: per process [t, rss kB, fds])",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":
