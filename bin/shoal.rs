@@ -49,14 +49,15 @@ enum LogFormat {
 }
 
 /// Installs the `tracing` subscriber: logs go to stderr, filtered by `RUST_LOG` when set,
-/// else by -v/-q (shoal's own targets one level more verbose than the libraries').
+/// else by -v/-q (shoal's own targets one level more verbose than the libraries', whose
+/// warnings, like a DHT with no peers yet, would break one-line errors by default).
 fn init_logging(cli: &Cli) {
     use tracing_subscriber::EnvFilter;
     let filter = match std::env::var("RUST_LOG") {
         Ok(f) if !f.is_empty() => EnvFilter::new(f),
         _ => EnvFilter::new(match (cli.quiet, cli.verbose) {
             (true, _) => "error",
-            (false, 0) => "warn",
+            (false, 0) => "error,shoal=warn",
             (false, 1) => "warn,shoal=info",
             (false, 2) => "info,shoal=debug",
             _ => "debug,shoal=trace",
