@@ -8,6 +8,7 @@ mod bench_cmds;
 mod client_cmds;
 mod data_cmds;
 mod harness;
+mod logging;
 mod model_cmds;
 mod observe_cmd;
 mod peer_cmd;
@@ -39,39 +40,7 @@ struct Cli {
     quiet: bool,
     /// Log lines as text, or as one JSON object per line (for log collectors).
     #[arg(long, value_name = "text|json", default_value = "text", global = true)]
-    log_format: LogFormat,
-}
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-/// Installs the `tracing` subscriber: logs go to stderr, filtered by `RUST_LOG` when set,
-/// else by -v/-q (shoal's own targets one level more verbose than the libraries', whose
-/// warnings, like a DHT with no peers yet, would break one-line errors by default).
-fn init_logging(cli: &Cli) {
-    use tracing_subscriber::EnvFilter;
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(f) if !f.is_empty() => EnvFilter::new(f),
-        _ => EnvFilter::new(match (cli.quiet, cli.verbose) {
-            (true, _) => "error",
-            (false, 0) => "error,shoal=warn",
-            (false, 1) => "warn,shoal=info",
-            (false, 2) => "info,shoal=debug",
-            _ => "debug,shoal=trace",
-        }),
-    };
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(true);
-    let _ = match cli.log_format {
-        LogFormat::Text => fmt.try_init(),
-        LogFormat::Json => fmt.json().try_init(),
-    };
+    log_format: logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -614,7 +583,7 @@ fn single_threaded_kernels(cli: &Cli) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(&cli);
+    logging::init(cli.quiet, cli.verbose, cli.log_format);
     single_threaded_kernels(&cli);
     match run(cli) {
         Ok(code) => code,
