@@ -201,6 +201,13 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Refresh the table every 2 s until Ctrl-C.
+    #[arg(long)]
+    pub watch: bool,
+    /// Serve the live dashboard of the run (--run, or the first run found) at
+    /// http://ADDR/ until Ctrl-C, as a watcher that holds no stage.
+    #[arg(long, value_name = "ADDR")]
+    pub serve: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args)]

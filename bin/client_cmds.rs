@@ -50,17 +50,47 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
     }
     let (cfg, bootstrap) = client_config(&a.net)?;
     let tried: Vec<String> = bootstrap.iter().map(|b| b.to_string()).collect();
-    let run = a.run.clone();
     let rt = runtime()?;
-    let runs = rt.block_on(async move {
+    rt.block_on(async move {
         let handle = net::start(cfg)?;
         shoal::swarm::peer::join(&handle, &bootstrap).await?;
-        let runs = status::gather(&handle, run.as_deref()).await?;
+        let mut runs = status::gather(&handle, a.run.as_deref()).await?;
+        let _server = match a.serve {
+            Some(addr) => Some(serve_dashboard(&handle, addr, a.run.as_deref(), &runs).await?),
+            None => None,
+        };
+        if a.serve.is_none() && !a.watch {
+            show(&a, &runs, &tried);
+            handle.shutdown().await;
+            return Ok(());
+        }
+        let stop = crate::peer_cmd::shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            if a.watch {
+                if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                    print!("\x1b[2J\x1b[H");
+                }
+                show(&a, &runs, &tried);
+            }
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+            if a.watch {
+                runs = status::gather(&handle, a.run.as_deref()).await?;
+            }
+        }
         handle.shutdown().await;
-        Ok::<_, anyhow::Error>(runs)
+        Ok::<_, anyhow::Error>(())
     })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints the status once: JSON, the table, or what to check when nothing is announced.
+fn show(a: &StatusArgs, runs: &[status::RunView], tried: &[String]) {
     if a.json {
-        println!("{}", status::to_json(&runs));
+        println!("{}", status::to_json(runs));
     } else if runs.is_empty() {
         let which = a
             .run
@@ -72,9 +102,48 @@ pub fn status(a: StatusArgs) -> Result<ExitCode> {
             if which.is_empty() { "" } else { " and that the run id is right" }
         );
     } else {
-        print!("{}", status::render(&runs));
+        print!("{}", status::render(runs));
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// `status --serve`: the dashboard of a watcher holding no stage (the swarm map and events;
+/// no loss curve, which comes from trainers).
+async fn serve_dashboard(
+    net: &net::NetHandle,
+    addr: std::net::SocketAddr,
+    run: Option<&str>,
+    runs: &[status::RunView],
+) -> Result<shoal::observe::http::Server> {
+    use shoal::observe::http::{self, Pages, State};
+    use shoal::observe::Snapshot;
+    let run = match run {
+        Some(r) => r.to_string(),
+        None => runs
+            .first()
+            .map(|r| r.run.clone())
+            .context("--serve: no run is announced yet; pass --run ID")?,
+    };
+    let (me, id, started) = (
+        net.local_peer_id().to_string(),
+        run.clone(),
+        std::time::Instant::now(),
+    );
+    let source: shoal::observe::Source = std::sync::Arc::new(move || Snapshot {
+        peer: me.clone(),
+        run: id.clone(),
+        seconds: started.elapsed().as_secs_f64(),
+        ..Snapshot::default()
+    });
+    let state = State::new(source, Some((net.clone(), run)));
+    let pages = Pages {
+        metrics: true,
+        dashboard: true,
+    };
+    let server = http::serve(addr, state, pages)
+        .await
+        .with_context(|| format!("cannot listen on {addr} for --serve"))?;
+    eprintln!("dashboard at http://{}/ (Ctrl-C to stop)", server.addr);
+    Ok(server)
 }
 
 /// The manifest of `--run`: its file, or fetched from the DHT by id.

@@ -216,4 +216,22 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
     let (_, hist) = get(dash, "/api/history");
     let hist: serde_json::Value = serde_json::from_str(&hist).unwrap();
     assert!(!hist.as_array().unwrap().is_empty());
+    // A watcher that holds no stage serves the same swarm (`status --serve`).
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let _w = spawn(
+        d,
+        &["status", "--bootstrap", &boot, "--serve", &addr],
+        "watcher.log",
+    );
+    wait_log(d, "watcher.log", "dashboard at");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let seen = loop {
+        let v: serde_json::Value = serde_json::from_str(&get(port, "/api/status").1).unwrap();
+        if replicas(&v["swarm"]) == want || Instant::now() > deadline {
+            break replicas(&v["swarm"]);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(seen, want);
 }
