@@ -1,7 +1,8 @@
 //! Trainer loops: read data, drive microbatches through one replica per stage, retry on
 //! another replica when one fails, and account for every sample.
 //!
-//! - [`routing`]: the pure choice of a replica (stochastic wiring).
+//! - [`routing`]: the pure choice of a replica (stochastic wiring); `refresh`: the
+//!   replicas and their steps, re-read from the DHT.
 //! - this module: the loop. For each microbatch: forward stage by stage (keeping every
 //!   stage's input), backward from the last stage with the targets, then back through the
 //!   same replicas. A replica that errs or times out is banned for a while and the stage is
@@ -10,6 +11,7 @@
 //!   stage has had no usable replica for `stage_deadline`; it is then counted as failed with
 //!   its reason. Invariant: fed = completed + failed once the loop has stopped.
 
+mod refresh;
 pub mod report;
 pub mod routing;
 mod stats;
@@ -21,10 +23,9 @@ use crate::dht::Manifest;
 use crate::net::NetHandle;
 use crate::rng::{derive_seed, Rng};
 use crate::stage::client::{CallError, StageClient};
-use crate::stage::registry;
 use crate::wire::msg::ErrorKind;
 use candle_core::{Device, Tensor};
-use libp2p::{Multiaddr, PeerId};
+use libp2p::PeerId;
 use routing::ReplicaState;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -218,53 +219,6 @@ impl Trainer {
     }
 }
 
-async fn refresh(ctx: &Ctx) {
-    let net = ctx.client.net();
-    let Ok(per_stage) = registry::read_run(net, ctx.client.run(), ctx.stages).await else {
-        return;
-    };
-    let mut fresh: Table = Vec::with_capacity(ctx.stages);
-    for anns in per_stage {
-        let mut row = Vec::new();
-        for a in &anns {
-            // A replica half its stage mates (at least one) banned from their rounds sends
-            // bad gradients: its work would be lost, or worse.
-            let banners = anns
-                .iter()
-                .filter(|o| o.peer != a.peer && o.banned.iter().any(|b| b.peer == a.peer))
-                .count();
-            if banners > 0 && 2 * banners >= anns.len() - 1 {
-                continue;
-            }
-            let Ok(peer) = a.peer.parse::<PeerId>() else {
-                continue;
-            };
-            let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
-            let _ = net.add_addresses(peer, addrs).await;
-            row.push((peer, ReplicaState::announced(a.samples_per_s, a.queue)));
-        }
-        fresh.push(row);
-    }
-    let Ok(mut table) = ctx.table.lock() else {
-        return;
-    };
-    for (s, row) in fresh.iter_mut().enumerate() {
-        for (peer, st) in row.iter_mut() {
-            if let Some((_, old)) = table[s].iter().find(|(p, _)| p == peer) {
-                st.measured = old.measured;
-                st.in_flight = old.in_flight;
-                st.owed = old.owed;
-                st.banned_until = old.banned_until;
-                // A replica's own answer is fresher than its announcement.
-                if ctx.client.counters().last_queue(peer).is_some() {
-                    st.queue = old.queue;
-                }
-            }
-        }
-    }
-    *table = fresh;
-}
-
 async fn run(
     ctx: Arc<Ctx>,
     source: TokenSource,
@@ -273,12 +227,14 @@ async fn run(
     data_seed: u64,
     mut stop: watch::Receiver<bool>,
 ) {
+    // The replicas and their steps before the first microbatch.
+    refresh::refresh(&ctx).await;
     let refresher = {
         let ctx = Arc::clone(&ctx);
         tokio::spawn(async move {
             loop {
-                refresh(&ctx).await;
                 tokio::time::sleep(ctx.cfg.refresh).await;
+                refresh::refresh(&ctx).await;
             }
         })
     };

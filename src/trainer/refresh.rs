@@ -1,0 +1,66 @@
+//! The trainer's view of the swarm, re-read from the DHT every `refresh`: each stage's
+//! replicas (minus those half their stage mates banned) with what was measured of them,
+//! and each stage's announced step.
+
+use super::routing::ReplicaState;
+use super::{Ctx, Table};
+use crate::stage::registry;
+use libp2p::{Multiaddr, PeerId};
+use std::sync::atomic::Ordering;
+
+/// Re-reads the stage announcements into the routing table, keeping what was measured of
+/// replicas still announced.
+pub(super) async fn refresh(ctx: &Ctx) {
+    let net = ctx.client.net();
+    let Ok(per_stage) = registry::read_run(net, ctx.client.run(), ctx.stages).await else {
+        return;
+    };
+    let mut fresh: Table = Vec::with_capacity(ctx.stages);
+    for (s, anns) in per_stage.into_iter().enumerate() {
+        // A stage is at least at the step its replicas announce: a trainer that starts
+        // after the run's last step sees so before it feeds anything.
+        if let (Some(top), Some(seen)) = (
+            anns.iter().map(|a| a.step).max(),
+            ctx.stats.stage_steps.get(s),
+        ) {
+            seen.fetch_max(top, Ordering::Relaxed);
+        }
+        let mut row = Vec::new();
+        for a in &anns {
+            // A replica half its stage mates (at least one) banned from their rounds sends
+            // bad gradients: its work would be lost, or worse.
+            let banners = anns
+                .iter()
+                .filter(|o| o.peer != a.peer && o.banned.iter().any(|b| b.peer == a.peer))
+                .count();
+            if banners > 0 && 2 * banners >= anns.len() - 1 {
+                continue;
+            }
+            let Ok(peer) = a.peer.parse::<PeerId>() else {
+                continue;
+            };
+            let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+            let _ = net.add_addresses(peer, addrs).await;
+            row.push((peer, ReplicaState::announced(a.samples_per_s, a.queue)));
+        }
+        fresh.push(row);
+    }
+    let Ok(mut table) = ctx.table.lock() else {
+        return;
+    };
+    for (s, row) in fresh.iter_mut().enumerate() {
+        for (peer, st) in row.iter_mut() {
+            if let Some((_, old)) = table[s].iter().find(|(p, _)| p == peer) {
+                st.measured = old.measured;
+                st.in_flight = old.in_flight;
+                st.owed = old.owed;
+                st.banned_until = old.banned_until;
+                // A replica's own answer is fresher than its announcement.
+                if ctx.client.counters().last_queue(peer).is_some() {
+                    st.queue = old.queue;
+                }
+            }
+        }
+    }
+    *table = fresh;
+}
