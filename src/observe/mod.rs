@@ -12,7 +12,7 @@ use crate::averaging::{guard::Banned, AvgSnapshot};
 use crate::stage::service::CounterSnapshot;
 use crate::trainer::report::Progress;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
@@ -99,7 +99,13 @@ struct Out<'a, 'b> {
 }
 
 impl Out<'_, '_> {
-    fn counter(&mut self, name: &str, help: &str, unit: Option<Unit>, v: u64) -> std::fmt::Result {
+    fn counter<N: EncodeCounterValue>(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        v: N,
+    ) -> std::fmt::Result {
         let m = self
             .enc
             .encode_descriptor(name, help, unit.as_ref(), MetricType::Counter)?;
@@ -107,10 +113,7 @@ impl Out<'_, '_> {
     }
 
     fn seconds(&mut self, name: &str, help: &str, us: u64) -> std::fmt::Result {
-        let m =
-            self.enc
-                .encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Counter)?;
-        ConstCounter::new(us as f64 / 1e6).encode(m)
+        self.counter(name, help, Some(Unit::Seconds), secs(us))
     }
 
     fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, v: f64) -> std::fmt::Result {
@@ -121,12 +124,12 @@ impl Out<'_, '_> {
     }
 
     /// A counter family: one sample per label set.
-    fn counters(
+    fn counters<N: EncodeCounterValue + Copy>(
         &mut self,
         name: &str,
         help: &str,
         unit: Option<Unit>,
-        rows: &[(&Labels<'_>, u64)],
+        rows: &[(&Labels<'_>, N)],
     ) -> std::fmt::Result {
         let mut m = self
             .enc
@@ -137,6 +140,28 @@ impl Out<'_, '_> {
         }
         Ok(())
     }
+
+    /// A counter family labelled by `reason`.
+    fn by_reason(
+        &mut self,
+        name: &str,
+        help: &str,
+        counts: &BTreeMap<String, u64>,
+    ) -> std::fmt::Result {
+        let labels: Vec<[(&'static str, &str); 1]> =
+            counts.keys().map(|k| [("reason", k.as_str())]).collect();
+        let rows: Vec<(&Labels<'_>, u64)> = labels
+            .iter()
+            .zip(counts.values())
+            .map(|(l, v)| (&l[..], *v))
+            .collect();
+        self.counters(name, help, None, &rows)
+    }
+}
+
+/// Microseconds as seconds.
+fn secs(us: u64) -> f64 {
+    us as f64 / 1e6
 }
 
 impl Collector for SnapshotCollector {
@@ -207,24 +232,11 @@ impl Collector for SnapshotCollector {
                 Some(Unit::Bytes),
                 t.raw,
             )?;
-            let failed: Vec<([(&str, &str); 1], u64)> = s
-                .failed
-                .iter()
-                .map(|(k, v)| ([("reason", k.as_str())], *v))
-                .collect();
-            let rows: Vec<(&Labels<'_>, u64)> = failed.iter().map(|(l, v)| (&l[..], *v)).collect();
-            o.counters("trainer_failures", "Failed samples by reason", None, &rows)?;
-            let swapped: Vec<([(&str, &str); 1], u64)> = s
-                .swapped
-                .iter()
-                .map(|(k, v)| ([("reason", k.as_str())], *v))
-                .collect();
-            let rows: Vec<(&Labels<'_>, u64)> = swapped.iter().map(|(l, v)| (&l[..], *v)).collect();
-            o.counters(
+            o.by_reason("trainer_failures", "Failed samples by reason", &s.failed)?;
+            o.by_reason(
                 "trainer_swap_reasons",
                 "Swapped calls by reason",
-                None,
-                &rows,
+                &s.swapped,
             )?;
         }
         Ok(())
@@ -296,20 +308,15 @@ fn encode_replica(o: &mut Out<'_, '_>, r: &ReplicaView) -> std::fmt::Result {
     )?;
     o.seconds("read", "Time reading requests", c.read_us)?;
     o.seconds("write", "Time writing replies", c.write_us)?;
-    let codec = [
-        (&[("op", "decode")][..], c.decode_us),
-        (&[("op", "encode")][..], c.encode_us),
-    ];
-    let mut m = o.enc.encode_descriptor(
+    o.counters(
         "codec",
         "Time in the tensor codec",
-        Some(&Unit::Seconds),
-        MetricType::Counter,
+        Some(Unit::Seconds),
+        &[
+            (&[("op", "decode")], secs(c.decode_us)),
+            (&[("op", "encode")], secs(c.encode_us)),
+        ],
     )?;
-    for (labels, us) in codec {
-        let labels: Vec<(&str, &str)> = labels.to_vec();
-        ConstCounter::new(us as f64 / 1e6).encode(m.encode_family(&labels)?)?;
-    }
     o.counters(
         "network",
         "Bytes moved by kind and direction",
