@@ -114,7 +114,7 @@ async fn serve_dashboard(
     run: Option<&str>,
     runs: &[status::RunView],
 ) -> Result<shoal::observe::http::Server> {
-    use shoal::observe::http::{self, Pages, State};
+    use shoal::observe::http::State;
     use shoal::observe::Snapshot;
     let run = match run {
         Some(r) => r.to_string(),
@@ -135,15 +135,7 @@ async fn serve_dashboard(
         ..Snapshot::default()
     });
     let state = State::new(source, Some((net.clone(), run)));
-    let pages = Pages {
-        metrics: true,
-        dashboard: true,
-    };
-    let server = http::serve(addr, state, pages)
-        .await
-        .with_context(|| format!("cannot listen on {addr} for --serve"))?;
-    eprintln!("dashboard at http://{}/ (Ctrl-C to stop)", server.addr);
-    Ok(server)
+    crate::observe_cmd::listen(addr, &state, true, "--serve").await
 }
 
 /// The manifest of `--run`: its file, or fetched from the DHT by id.

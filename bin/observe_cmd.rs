@@ -2,12 +2,12 @@
 //! counters as Prometheus metrics and a live dashboard, served over HTTP while it runs.
 
 use crate::args::ObserveArgs;
-use crate::peer_cmd::Trainers;
+use crate::peer_cmd::{Out, Trainers};
 use anyhow::{Context, Result};
 use shoal::observe::http::{self, Pages, Server, State};
 use shoal::observe::{ReplicaView, Snapshot, Source};
 use shoal::swarm::events::{peak_rss_bytes, Event};
-use shoal::swarm::peer::{Peer, PeerWatch};
+use shoal::swarm::peer::{Peer, PeerConfig, PeerWatch};
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -78,29 +78,55 @@ impl Watch {
         let mut servers = Vec::new();
         let both = self.metrics.is_some() && self.metrics == self.dashboard;
         if let Some(addr) = self.metrics {
-            let pages = Pages {
-                metrics: true,
-                dashboard: both,
-            };
-            let s = http::serve(addr, Arc::clone(state), pages)
-                .await
-                .with_context(|| format!("cannot listen on {addr} for --metrics"))?;
-            eprintln!("metrics at http://{}/metrics", s.addr);
-            servers.push(s);
+            servers.push(listen(addr, state, both, "--metrics").await?);
         }
         if let (Some(addr), false) = (self.dashboard, both) {
-            let pages = Pages {
-                metrics: true,
-                dashboard: true,
-            };
-            let s = http::serve(addr, Arc::clone(state), pages)
-                .await
-                .with_context(|| format!("cannot listen on {addr} for --dashboard"))?;
-            eprintln!("dashboard at http://{}/", s.addr);
-            servers.push(s);
+            servers.push(listen(addr, state, true, "--dashboard").await?);
         }
         Ok(servers)
     }
+}
+
+/// Serves `/metrics` of `state` on `addr` (given as `flag`), and the dashboard with it
+/// when `dashboard`; says where.
+pub async fn listen(
+    addr: SocketAddr,
+    state: &Arc<State>,
+    dashboard: bool,
+    flag: &str,
+) -> Result<Server> {
+    let pages = Pages {
+        metrics: true,
+        dashboard,
+    };
+    let s = http::serve(addr, Arc::clone(state), pages)
+        .await
+        .with_context(|| format!("cannot listen on {addr} for {flag}"))?;
+    if dashboard {
+        eprintln!("dashboard at http://{}/", s.addr);
+    } else {
+        eprintln!("metrics at http://{}/metrics", s.addr);
+    }
+    Ok(s)
+}
+
+/// Starts a peer (or trainer) with `cfg`: its events go to `out` and to the dashboard,
+/// and `--metrics`/`--dashboard` are served once it runs.
+pub async fn start(
+    cfg: PeerConfig,
+    out: &Out,
+    observe: &ObserveArgs,
+) -> Result<(Peer, Trainers, Vec<Server>)> {
+    let watch = Watch::new(observe);
+    let (o, w) = (out.clone(), watch.clone());
+    let peer = Peer::start(cfg, move |e| {
+        w.event(&e);
+        o.emit(e)
+    })
+    .await?;
+    let trainers = Trainers::of(&peer);
+    let servers = watch.serve(&peer, &trainers).await?;
+    Ok((peer, trainers, servers))
 }
 
 fn snapshot(p: &Parts) -> Snapshot {

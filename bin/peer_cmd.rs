@@ -3,7 +3,7 @@
 //! `--events` also written as JSON lines for harnesses and monitors.
 
 use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
-use crate::observe_cmd::Watch;
+use crate::observe_cmd;
 use anyhow::{Context, Result};
 use shoal::averaging::AvgStats;
 use shoal::stage::client::StageClient;
@@ -179,16 +179,7 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     let counters_every = (a.counters_ms > 0).then(|| Duration::from_millis(a.counters_ms));
     let rt = runtime()?;
     rt.block_on(async move {
-        let o = out.clone();
-        let watch = Watch::new(&a.observe);
-        let w = watch.clone();
-        let peer = Peer::start(cfg, move |e| {
-            w.event(&e);
-            o.emit(e)
-        })
-        .await?;
-        let trainers = Trainers::of(&peer);
-        let _servers = watch.serve(&peer, &trainers).await?;
+        let (peer, trainers, _servers) = observe_cmd::start(cfg, &out, &a.observe).await?;
         out.emit(Event::Ready {
             peer: peer.net().local_peer_id().to_string(),
         });
@@ -236,16 +227,7 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     let report = Duration::from_millis(a.report_ms.max(50));
     let rt = runtime()?;
     rt.block_on(async move {
-        let o = out.clone();
-        let watch = Watch::new(&a.observe);
-        let w = watch.clone();
-        let peer = Peer::start(cfg, move |e| {
-            w.event(&e);
-            o.emit(e)
-        })
-        .await?;
-        let trainers = Trainers::of(&peer);
-        let _servers = watch.serve(&peer, &trainers).await?;
+        let (peer, trainers, _servers) = observe_cmd::start(cfg, &out, &a.observe).await?;
         let started = Instant::now();
         let stop = shutdown_signal();
         tokio::pin!(stop);
