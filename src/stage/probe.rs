@@ -256,7 +256,8 @@ fn broken(stage: usize, peer: PeerId, what: &str) -> ProbeError {
 }
 
 /// Mean held-out loss of the swarm's current parameters over `batches` eval batches:
-/// forward only (nothing is accumulated), the loss computed here from the last stage's
+/// forward only, as probe calls (nothing kept or accumulated, whatever the replicas'
+/// step), the loss computed here from the last stage's
 /// logits. Uses the highest-throughput replica of each stage.
 pub async fn evaluate(net: &NetHandle, m: &Manifest, batches: usize) -> Result<f64, ProbeError> {
     let peers = route(net, m).await?;
@@ -286,7 +287,7 @@ pub async fn evaluate_on(
         let y = Tensor::from_vec(b.targets, shape, &Device::Cpu).map_err(ModelError::from)?;
         for (s, &peer) in peers.iter().enumerate() {
             h = client
-                .forward(peer, s, u64::MAX / 2, 0, &h)
+                .probe_forward(peer, s, &h)
                 .await
                 .map_err(|cause| ProbeError::Call {
                     stage: s,

@@ -133,6 +133,21 @@ pub fn rebalance(
 /// computes the same answer from the same view, so peers that started together (and all
 /// chose the same stage before anyone had announced) spread out at once, without a herd.
 pub fn fill_empty(stages: usize, placed: &[(String, usize)], me: &str) -> Option<usize> {
+    let (empty, surplus) = holes(stages, placed);
+    let k = surplus.iter().position(|p| *p == me)?;
+    empty.get(k).copied()
+}
+
+/// Whether [`fill_empty`] would move someone: a stage is empty and another has a replica
+/// to spare.
+pub fn fillable(stages: usize, placed: &[(String, usize)]) -> bool {
+    let (empty, surplus) = holes(stages, placed);
+    !empty.is_empty() && !surplus.is_empty()
+}
+
+/// (the empty stages, the surplus replicas in id order: all but the lowest id of each
+/// stage).
+fn holes(stages: usize, placed: &[(String, usize)]) -> (Vec<usize>, Vec<&str>) {
     let mut by_stage: Vec<Vec<&str>> = vec![Vec::new(); stages];
     for (peer, s) in placed {
         if let Some(v) = by_stage.get_mut(*s) {
@@ -142,9 +157,6 @@ pub fn fill_empty(stages: usize, placed: &[(String, usize)], me: &str) -> Option
         }
     }
     let empty: Vec<usize> = (0..stages).filter(|&s| by_stage[s].is_empty()).collect();
-    if empty.is_empty() {
-        return None;
-    }
     let mut surplus: Vec<&str> = by_stage
         .iter_mut()
         .flat_map(|v| {
@@ -153,8 +165,7 @@ pub fn fill_empty(stages: usize, placed: &[(String, usize)], me: &str) -> Option
         })
         .collect();
     surplus.sort_unstable();
-    let k = surplus.iter().position(|p| *p == me)?;
-    empty.get(k).copied()
+    (empty, surplus)
 }
 
 #[cfg(test)]
@@ -184,6 +195,7 @@ mod tests {
         assert_eq!(super::fill_empty(3, &all0, "a"), None);
         assert_eq!(super::fill_empty(3, &all0, "b"), Some(1));
         assert_eq!(super::fill_empty(3, &all0, "c"), Some(2));
+        assert!(super::fillable(3, &all0));
         // More surplus than holes: only the first moves.
         let two = placed(&[("a", 0), ("b", 0), ("c", 1), ("d", 1)]);
         let moved: Vec<_> = ["a", "b", "c", "d"]
@@ -200,6 +212,7 @@ mod tests {
         assert!(["a", "b"]
             .iter()
             .all(|p| super::fill_empty(3, &thin, p).is_none()));
+        assert!(!super::fillable(2, &full) && !super::fillable(3, &thin));
     }
 
     use super::*;

@@ -403,9 +403,7 @@ impl Peer {
 
     /// The averager's counters, when serving.
     pub fn avg_stats(&self) -> Option<Arc<AvgStats>> {
-        slot_lock(&self.slot)
-            .as_ref()
-            .map(|s| Arc::clone(s.averager.stats()))
+        self.watch().avg_stats()
     }
 
     /// How the state of the stage served now was downloaded, if it was.
@@ -445,9 +443,7 @@ impl Peer {
 
     /// The stage service, if serving.
     pub fn service(&self) -> Option<Arc<StageService>> {
-        slot_lock(&self.slot)
-            .as_ref()
-            .map(|s| Arc::clone(&s.service))
+        self.watch().service()
     }
 
     /// The final status of every stage replica this peer left by migrating: their

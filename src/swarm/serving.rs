@@ -453,10 +453,7 @@ pub(super) async fn rebalance_loop(
             let placed: Vec<(String, usize)> =
                 seen.iter().map(|(p, (s, _))| (p.clone(), *s)).collect();
             // Check again soon while a stage is empty and another has a replica to spare.
-            let held = (0..count)
-                .filter(|&s| placed.iter().any(|(_, at)| *at == s))
-                .count();
-            fast = held < count && placed.len() > held;
+            fast = select::fillable(count, &placed);
             if let Some(target) = select::fill_empty(count, &placed, &me) {
                 move_to(&ctx, &slot, &moving, &moves, (mine, target), &live).await;
             }
