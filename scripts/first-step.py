@@ -13,36 +13,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from swarmlib import events, free_port
+
 SHOAL = os.environ.get("SHOAL", os.path.abspath("target/release/shoal"))
 LIMIT_S = float(os.environ.get("LIMIT_S", "120"))
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def events(path):
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def main():

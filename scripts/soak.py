@@ -19,23 +19,16 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from swarmlib import events, free_port, wait_for
+
 SHOAL = os.environ.get("SHOAL", os.path.abspath("target/release/shoal"))
 CHURN_S = float(os.environ.get("CHURN_S", "120"))
 SAMPLE_S = float(os.environ.get("SAMPLE_S", "15"))
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def proc_stats(pid):
@@ -46,30 +39,6 @@ def proc_stats(pid):
         return rss, fds
     except (OSError, AttributeError):
         return None
-
-
-def events(path):
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def wait_for(path, cond, secs):
-    end = time.time() + secs
-    while time.time() < end:
-        for e in events(path):
-            if cond(e):
-                return e
-        time.sleep(0.3)
-    return None
 
 
 def main():
