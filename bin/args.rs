@@ -211,6 +211,18 @@ pub struct StatusArgs {
 }
 
 #[derive(Args)]
+pub struct DoctorArgs {
+    #[command(flatten)]
+    pub net: NetArgs,
+    /// Seconds to wait for a dial-back (and a relay slot when it fails).
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub wait: u64,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
 pub struct ProbeArgs {
     #[command(flatten)]
     pub net: NetArgs,
@@ -257,6 +269,16 @@ pub fn require_bootstrap(a: &NetArgs) -> Result<()> {
         bail!("--bootstrap MULTIADDR is required: the address of any peer in the swarm");
     }
     Ok(())
+}
+
+/// TCP and QUIC on every interface at random ports (TCP only in a private swarm or with
+/// link emulation).
+pub fn default_listen(a: &NetArgs) -> Result<Vec<libp2p::Multiaddr>> {
+    let mut listen = vec![net::parse_addr("/ip4/0.0.0.0/tcp/0")?];
+    if a.swarm_key.is_none() && a.emulate_link.is_none() {
+        listen.push(net::parse_addr("/ip4/0.0.0.0/udp/0/quic-v1")?);
+    }
+    Ok(listen)
 }
 
 /// A throwaway identity that only queries the swarm (not a DHT server, no listener), and
@@ -323,10 +345,7 @@ impl TryFrom<&PeerArgs> for PeerConfig {
         };
         let mut listen = parse_addrs(&a.listen)?;
         if listen.is_empty() {
-            listen.push(net::parse_addr("/ip4/0.0.0.0/tcp/0")?);
-            if a.net.swarm_key.is_none() && a.net.emulate_link.is_none() {
-                listen.push(net::parse_addr("/ip4/0.0.0.0/udp/0/quic-v1")?);
-            }
+            listen = default_listen(&a.net)?;
         }
         let run = RunSource::parse(&a.run);
         if let RunSource::File(p) = &run {
@@ -377,7 +396,10 @@ pub fn trainer_config(a: &SwarmTrainArgs) -> Result<PeerConfig> {
     if !(a.call_timeout.is_finite() && a.call_timeout > 0.0 && a.call_timeout <= 86_400.0) {
         bail!("--call-timeout must be a number of seconds between 0 and 86400");
     }
-    let (netcfg, bootstrap) = client_config(&a.net)?;
+    let (mut netcfg, bootstrap) = client_config(&a.net)?;
+    // A trainer listens too (not to be dialled, it serves nothing): its calls then leave
+    // from that port, so a NAT maps them to one address that hole punching can reach.
+    netcfg.listen = default_listen(&a.net)?;
     let mut cfg = PeerConfig::new(source, netcfg, bootstrap, StageChoice::None);
     cfg.trainers = a.trainers;
     cfg.trainer.concurrency = a.concurrency;

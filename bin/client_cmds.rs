@@ -1,6 +1,8 @@
-//! The short commands: `run new`, `swarm key`, `status` and `probe`.
+//! The short commands: `run new`, `swarm key`, `status`, `probe` and `doctor`.
 
-use crate::args::{client_config, require_bootstrap, ProbeArgs, StatusArgs};
+use crate::args::{
+    client_config, default_listen, require_bootstrap, DoctorArgs, ProbeArgs, StatusArgs,
+};
 use crate::peer_cmd::runtime;
 use anyhow::{bail, Context, Result};
 use shoal::dht::Manifest;
@@ -203,4 +205,28 @@ pub fn probe(a: ProbeArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `shoal doctor --bootstrap ADDR`: what others see of this machine; exits 1 when no
+/// bootstrap peer answered.
+pub fn doctor(a: DoctorArgs) -> Result<ExitCode> {
+    require_bootstrap(&a.net)?;
+    let (mut cfg, bootstrap) = client_config(&a.net)?;
+    cfg.listen = default_listen(&a.net)?;
+    let rt = runtime()?;
+    let report = rt.block_on(shoal::net::doctor::diagnose(
+        cfg,
+        &bootstrap,
+        Duration::from_secs(a.wait),
+    ))?;
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(if report.joined() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

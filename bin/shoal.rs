@@ -62,6 +62,8 @@ enum Command {
     Status(args::StatusArgs),
     /// Push one microbatch forward and backward through the swarm, one replica per stage.
     Probe(args::ProbeArgs),
+    /// Reachability self-test: what other peers see of this machine, and what to fix.
+    Doctor(args::DoctorArgs),
     /// Private swarms: `swarm key --out FILE` makes a pre-shared key.
     Swarm {
         #[command(subcommand)]
@@ -478,6 +480,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Generate(a) => model_cmds::generate(a),
         Command::Status(a) => client_cmds::status(a),
         Command::Probe(a) => client_cmds::probe(a),
+        Command::Doctor(a) => client_cmds::doctor(a),
         Command::Swarm {
             which: args::SwarmCommand::Key { out },
         } => client_cmds::swarm_key(out),

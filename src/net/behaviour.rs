@@ -4,8 +4,10 @@
 //! before noise (QUIC cannot carry pnet, so it is off), plus the relay client transport in
 //! both cases. With link emulation ([`super::link`]) it is TCP only too, every socket
 //! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/1.0.0`, records validated before they are
-//! stored), identify, ping, AutoNAT, relay client, optional relay server, DCUtR, connection
-//! limits, and libp2p-stream for our own stage and transfer protocols.
+//! stored; a client until AutoNAT confirms an address, see [`super::reach`]), identify
+//! (carrying the wire version), ping, AutoNAT v2 (client and server), relay client,
+//! optional relay server, DCUtR, connection limits, and libp2p-stream for our own stage and
+//! transfer protocols.
 
 use super::link::{Shaped, SharedLink};
 use super::{NetConfig, NetError};
@@ -24,8 +26,11 @@ use std::time::Duration;
 
 /// The Kademlia protocol name of shoal swarms.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/kad/1.0.0");
-/// The identify protocol version string.
-pub const IDENTIFY_PROTOCOL: &str = "/shoal/id/1.0.0";
+
+/// How long one relayed circuit may last on a `--relay-server` peer.
+pub const RELAY_CIRCUIT_DURATION: Duration = Duration::from_secs(60 * 60);
+/// How many bytes one relayed circuit may carry on a `--relay-server` peer.
+pub const RELAY_CIRCUIT_BYTES: u64 = 4 << 30;
 
 /// Everything a peer speaks.
 #[derive(NetworkBehaviour)]
@@ -38,8 +43,10 @@ pub struct Behaviour {
     pub identify: identify::Behaviour,
     /// Liveness.
     pub ping: ping::Behaviour,
-    /// Learns whether we are reachable from outside.
-    pub autonat: autonat::Behaviour,
+    /// Learns whether we are reachable from outside: asks peers to dial us back.
+    pub autonat: autonat::v2::client::Behaviour,
+    /// Dials others back when they ask.
+    pub autonat_server: autonat::v2::server::Behaviour,
     /// Listens and dials through relays.
     pub relay_client: relay::client::Behaviour,
     /// Offers relay service when `--relay-server` is on.
@@ -69,22 +76,28 @@ fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetCon
         },
     );
     let mut kad = kad::Behaviour::with_config(id, store, kad_cfg);
-    kad.set_mode(Some(if cfg.dht_server {
-        kad::Mode::Server
-    } else {
-        kad::Mode::Client
-    }));
+    // Automatic mode (None): a client until an external address is confirmed, by
+    // AutoNAT or by the operator (a relay, the first peer of a swarm).
+    kad.set_mode(match (cfg.dht_server, cfg.assume_public) {
+        (false, _) => Some(kad::Mode::Client),
+        (true, true) => Some(kad::Mode::Server),
+        (true, false) => None,
+    });
     let limits = connection_limits::ConnectionLimits::default()
         .with_max_pending_incoming(Some(128))
         .with_max_pending_outgoing(Some(128))
         .with_max_established(Some(cfg.max_connections))
         .with_max_established_per_peer(Some(4));
     let relay_server = cfg.relay_server.then(|| {
-        // Generous circuits: a relayed replica moves activations, megabytes per call. The
-        // operator chose to relay; these bound it per circuit, not in total.
+        // Generous circuits: a relayed replica moves activations and gradients, megabytes
+        // per call, for as long as hole punching fails. libp2p's defaults (2 minutes,
+        // 128 KiB per circuit) are for signalling only. The operator chose to relay; these
+        // bound it per circuit, not in total.
         let rcfg = relay::Config {
-            max_circuit_duration: Duration::from_secs(30 * 60),
-            max_circuit_bytes: 1 << 30,
+            max_circuit_duration: RELAY_CIRCUIT_DURATION,
+            max_circuit_bytes: RELAY_CIRCUIT_BYTES,
+            max_circuits: 64,
+            max_circuits_per_peer: 8,
             ..relay::Config::default()
         };
         relay::Behaviour::new(id, rcfg)
@@ -93,11 +106,15 @@ fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetCon
         limits: connection_limits::Behaviour::new(limits),
         kad,
         identify: identify::Behaviour::new(
-            identify::Config::new(IDENTIFY_PROTOCOL.to_string(), key.public())
-                .with_agent_version(format!("shoal/{}", env!("CARGO_PKG_VERSION"))),
+            identify::Config::new(super::reach::protocol_version(cfg.wire), key.public())
+                .with_agent_version(super::reach::agent_version()),
         ),
         ping: ping::Behaviour::default(),
-        autonat: autonat::Behaviour::new(id, autonat::Config::default()),
+        autonat: autonat::v2::client::Behaviour::new(
+            rand::make_rng::<rand::rngs::StdRng>(),
+            autonat::v2::client::Config::default().with_probe_interval(cfg.probe_interval),
+        ),
+        autonat_server: autonat::v2::server::Behaviour::default(),
         relay_client,
         relay_server: Toggle::from(relay_server),
         dcutr: dcutr::Behaviour::new(id),

@@ -8,9 +8,11 @@
 //! what the bytes on a stream mean (that is `stage`, with framing from `io`).
 
 pub mod behaviour;
+pub mod doctor;
 pub mod io;
 pub mod keys;
 pub mod link;
+pub mod reach;
 mod task;
 
 use libp2p::identity::Keypair;
@@ -56,6 +58,14 @@ pub enum NetError {
         /// Why.
         cause: String,
     },
+    /// The remote peer speaks an incompatible protocol.
+    #[error("refused {peer}: {reason}")]
+    Refused {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
     /// The network task has stopped.
     #[error("the network task has stopped")]
     Stopped,
@@ -77,6 +87,13 @@ pub struct NetConfig {
     pub relay_server: bool,
     /// Answer DHT queries (serving peers); `false` for `shoal status` and other clients.
     pub dht_server: bool,
+    /// Serve the DHT from the start, as a peer others are told to dial (the first peer of
+    /// a swarm, a relay); otherwise only once AutoNAT confirms an address.
+    pub assume_public: bool,
+    /// How often AutoNAT tests an untested address.
+    pub probe_interval: Duration,
+    /// The wire protocol version announced and required (tests change it).
+    pub wire: u8,
     /// How long the DHT keeps provider records.
     pub provider_ttl: Duration,
     /// Close connections idle this long.
@@ -96,6 +113,9 @@ impl NetConfig {
             swarm_key: None,
             relay_server: false,
             dht_server: true,
+            assume_public: true,
+            probe_interval: Duration::from_secs(1),
+            wire: crate::wire::msg::MSG_VERSION,
             provider_ttl: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(120),
             max_connections: 512,
@@ -132,6 +152,7 @@ pub(crate) enum Command {
     GetProviders(Vec<u8>, oneshot::Sender<HashSet<PeerId>>),
     Bootstrap,
     Connections(oneshot::Sender<Vec<ConnectionInfo>>),
+    Status(oneshot::Sender<reach::NetStatus>),
     Shutdown,
 }
 
@@ -141,6 +162,7 @@ pub struct NetHandle {
     tx: mpsc::Sender<Command>,
     control: libp2p_stream::Control,
     local: PeerId,
+    events: tokio::sync::broadcast::Sender<reach::NetEvent>,
 }
 
 impl std::fmt::Debug for NetHandle {
@@ -179,8 +201,20 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
     let control = swarm.behaviour().stream.new_control();
     let local = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(task::run(swarm, rx, cfg.relay_server));
-    Ok(NetHandle { tx, control, local })
+    let (events, _) = tokio::sync::broadcast::channel(256);
+    tokio::spawn(task::run(
+        swarm,
+        rx,
+        cfg.relay_server,
+        cfg.wire,
+        events.clone(),
+    ));
+    Ok(NetHandle {
+        tx,
+        control,
+        local,
+        events,
+    })
 }
 
 /// Whether an address is QUIC.
@@ -309,6 +343,17 @@ impl NetHandle {
     /// The established connections.
     pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, NetError> {
         self.ask(Command::Connections).await
+    }
+
+    /// What the network knows about this peer's reachability, relay and refused peers.
+    pub async fn status(&self) -> Result<reach::NetStatus, NetError> {
+        self.ask(Command::Status).await
+    }
+
+    /// Reachability changes, relay reservations, relayed connections, hole punches and
+    /// refused peers, from now on.
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<reach::NetEvent> {
+        self.events.subscribe()
     }
 
     /// Opens a stream to `peer` for `protocol`, dialling it if needed.

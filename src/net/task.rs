@@ -1,45 +1,96 @@
 //! The event loop that owns the swarm: commands in, swarm events handled, answers out.
+//!
+//! A dial is answered once the remote peer's identify arrived (or 5 s passed), so a peer
+//! of another wire version is refused at the dial with its reason rather than later with
+//! a decode error. Reachability, relays and hole punching are kept in a
+//! [`super::reach::NetStatus`] and reported as [`super::reach::NetEvent`]s.
 
 use super::behaviour::{Behaviour, BehaviourEvent, KAD_PROTOCOL};
+use super::reach::{self, NetEvent, NetStatus};
 use super::{Command, ConnectionInfo, NetError};
 use crate::dht;
 use futures::StreamExt;
+use libp2p::core::transport::ListenerId;
 use libp2p::kad::store::RecordStore;
 use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{identify, Multiaddr, PeerId, Swarm};
+use libp2p::{autonat, dcutr, identify, relay, Multiaddr, PeerId, Swarm};
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
-use tokio::sync::{mpsc, oneshot};
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+type DialReply = oneshot::Sender<Result<PeerId, NetError>>;
+
+/// How long a dial waits for the remote identify before it is answered anyway.
+const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
+/// How often a private peer without a relay looks for one in the DHT.
+const RELAY_SEARCH: Duration = Duration::from_secs(10);
 
 enum Pending {
     GetRecord(Vec<Vec<u8>>, oneshot::Sender<Vec<Vec<u8>>>),
     GetProviders(HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>),
     Put(oneshot::Sender<Result<(), NetError>>),
+    /// Looking for relays; the providers found are dialled.
+    Relays,
 }
 
 struct State {
     listen: Vec<Multiaddr>,
-    dials: HashMap<ConnectionId, (Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>,
+    dials: HashMap<ConnectionId, (Multiaddr, DialReply)>,
+    /// Dials connected, waiting for the peer's identify: peer → (since, replies).
+    identifying: HashMap<PeerId, (Instant, Vec<DialReply>)>,
     queries: HashMap<QueryId, Pending>,
     conns: HashMap<ConnectionId, ConnectionInfo>,
     relay_server: bool,
+    protocol: String,
+    status: NetStatus,
+    events: broadcast::Sender<NetEvent>,
+    /// Relays by peer id, with the address we reached each at.
+    relays: HashMap<PeerId, Multiaddr>,
+    /// The reservation being made or held: (listener, relay).
+    reservation: Option<(ListenerId, PeerId)>,
+    /// Relays whose reservation failed (not tried again).
+    relays_failed: HashSet<PeerId>,
+    refused: HashMap<PeerId, String>,
+    last_relay_search: Option<Instant>,
 }
 
 pub(crate) async fn run(
     mut swarm: Swarm<Behaviour>,
     mut rx: mpsc::Receiver<Command>,
     relay_server: bool,
+    wire: u8,
+    events: broadcast::Sender<NetEvent>,
 ) {
     let mut st = State {
         listen: Vec::new(),
         dials: HashMap::new(),
+        identifying: HashMap::new(),
         queries: HashMap::new(),
         conns: HashMap::new(),
         relay_server,
+        protocol: reach::protocol_version(wire),
+        status: NetStatus::default(),
+        events,
+        relays: HashMap::new(),
+        reservation: None,
+        relays_failed: HashSet::new(),
+        refused: HashMap::new(),
+        last_relay_search: None,
     };
+    if st.relay_server {
+        // Private peers find relays as providers of this key.
+        if let Err(e) = swarm
+            .behaviour_mut()
+            .kad
+            .start_providing(kad::RecordKey::new(&reach::RELAY_KEY))
+        {
+            tracing::warn!(target: "shoal::net", "cannot announce the relay service: {e:?}");
+        }
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             cmd = rx.recv() => match cmd {
@@ -47,8 +98,69 @@ pub(crate) async fn run(
                 Some(cmd) => on_command(&mut swarm, &mut st, cmd),
             },
             event = swarm.select_next_some() => on_event(&mut swarm, &mut st, event),
+            _ = tick.tick() => on_tick(&mut swarm, &mut st),
         }
     }
+}
+
+/// Once a second: answer dials whose identify is late; a private peer without a relay
+/// looks for one.
+fn on_tick(swarm: &mut Swarm<Behaviour>, st: &mut State) {
+    let late: Vec<PeerId> = st
+        .identifying
+        .iter()
+        .filter(|(_, (since, _))| since.elapsed() >= IDENTIFY_WAIT)
+        .map(|(p, _)| *p)
+        .collect();
+    for p in late {
+        if let Some((_, replies)) = st.identifying.remove(&p) {
+            for r in replies {
+                let _ = r.send(Ok(p));
+            }
+        }
+    }
+    if st.status.reachability == reach::Reachability::Private && st.reservation.is_none() {
+        reserve(swarm, st);
+        let due = st
+            .last_relay_search
+            .is_none_or(|t| t.elapsed() >= RELAY_SEARCH);
+        if st.reservation.is_none() && due {
+            st.last_relay_search = Some(Instant::now());
+            let q = swarm
+                .behaviour_mut()
+                .kad
+                .get_providers(kad::RecordKey::new(&reach::RELAY_KEY));
+            st.queries.insert(q, Pending::Relays);
+        }
+    }
+}
+
+/// Listens through the first known relay not yet tried.
+fn reserve(swarm: &mut Swarm<Behaviour>, st: &mut State) {
+    let Some((relay, addr)) = st
+        .relays
+        .iter()
+        .find(|(p, _)| !st.relays_failed.contains(p))
+        .map(|(p, a)| (*p, a.clone()))
+    else {
+        return;
+    };
+    let circuit = reach::circuit_addr(&addr, relay);
+    match swarm.listen_on(circuit.clone()) {
+        Ok(id) => {
+            tracing::info!(target: "shoal::net", %relay, "reserving a relay slot: {circuit}");
+            st.reservation = Some((id, relay));
+        }
+        Err(e) => {
+            tracing::warn!(target: "shoal::net", %relay, "cannot listen through the relay: {e}");
+            st.relays_failed.insert(relay);
+        }
+    }
+}
+
+fn emit(st: &State, e: NetEvent) {
+    // No subscriber is fine: the status keeps the same facts.
+    let _ = st.events.send(e);
 }
 
 fn full_addr(addr: &Multiaddr, local: PeerId) -> Multiaddr {
@@ -163,6 +275,11 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
         Command::Connections(reply) => {
             let _ = reply.send(st.conns.values().cloned().collect());
         }
+        Command::Status(reply) => {
+            let mut s = st.status.clone();
+            s.relays = st.relays.keys().map(|p| p.to_string()).collect();
+            let _ = reply.send(s);
+        }
         Command::Shutdown => {}
     }
 }
@@ -190,6 +307,16 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
         } => {
             let addr = endpoint.get_remote_address().clone();
             let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
+            if let Some(reason) = st.refused.get(&peer_id) {
+                if let Some((_, reply)) = st.dials.remove(&connection_id) {
+                    let _ = reply.send(Err(NetError::Refused {
+                        peer: peer_id.to_string(),
+                        reason: reason.clone(),
+                    }));
+                }
+                let _ = swarm.disconnect_peer_id(peer_id);
+                return;
+            }
             st.conns.insert(
                 connection_id,
                 ConnectionInfo {
@@ -198,15 +325,62 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
                     relayed,
                 },
             );
+            if relayed {
+                emit(
+                    st,
+                    NetEvent::Relayed {
+                        peer: peer_id.to_string(),
+                    },
+                );
+            }
             if let Some((_, reply)) = st.dials.remove(&connection_id) {
                 if endpoint.is_dialer() {
                     swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
-                let _ = reply.send(Ok(peer_id));
+                st.identifying
+                    .entry(peer_id)
+                    .or_insert_with(|| (Instant::now(), Vec::new()))
+                    .1
+                    .push(reply);
             }
         }
-        SwarmEvent::ConnectionClosed { connection_id, .. } => {
+        SwarmEvent::ConnectionClosed {
+            connection_id,
+            peer_id,
+            num_established,
+            ..
+        } => {
             st.conns.remove(&connection_id);
+            if num_established == 0 {
+                st.status.remotes.remove(&peer_id.to_string());
+                if let Some((_, replies)) = st.identifying.remove(&peer_id) {
+                    let reason = st
+                        .refused
+                        .get(&peer_id)
+                        .cloned()
+                        .unwrap_or_else(|| "it closed the connection".into());
+                    for r in replies {
+                        let _ = r.send(Err(NetError::Refused {
+                            peer: peer_id.to_string(),
+                            reason: reason.clone(),
+                        }));
+                    }
+                }
+            }
+        }
+        SwarmEvent::ListenerClosed {
+            listener_id,
+            reason,
+            ..
+        } => {
+            if let Some((id, relay)) = st.reservation {
+                if id == listener_id {
+                    tracing::warn!(target: "shoal::net", %relay, "the relay reservation ended: {reason:?}");
+                    st.reservation = None;
+                    st.status.relayed_addr = None;
+                    st.relays_failed.insert(relay);
+                }
+            }
         }
         SwarmEvent::OutgoingConnectionError {
             connection_id,
@@ -223,14 +397,157 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
         SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
             peer_id,
             info,
+            connection_id,
+        })) => on_identify(swarm, st, peer_id, connection_id, info),
+        SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => on_kad(swarm, st, e),
+        SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => on_autonat(st, e),
+        SwarmEvent::Behaviour(BehaviourEvent::Ping(libp2p::ping::Event {
+            peer,
+            result: Ok(rtt),
             ..
-        })) if info.protocols.contains(&KAD_PROTOCOL) => {
-            for a in info.listen_addrs {
-                swarm.behaviour_mut().kad.add_address(&peer_id, a);
+        })) => {
+            if let Some(r) = st.status.remotes.get_mut(&peer.to_string()) {
+                r.rtt_ms = Some(rtt.as_secs_f64() * 1e3);
             }
         }
-        SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => on_kad(swarm, st, e),
+        SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+            remote_peer_id,
+            result,
+        })) => {
+            let error = result.as_ref().err().map(|e| one_line(&e.to_string()));
+            if error.is_none() {
+                st.status.hole_punched += 1;
+            } else {
+                st.status.hole_punch_failed += 1;
+            }
+            tracing::info!(target: "shoal::net", peer = %remote_peer_id, ?error, "hole punch");
+            emit(
+                st,
+                NetEvent::HolePunch {
+                    peer: remote_peer_id.to_string(),
+                    ok: error.is_none(),
+                    error,
+                },
+            );
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
+            relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal,
+                ..
+            },
+        )) => {
+            if renewal {
+                return;
+            }
+            let local = *swarm.local_peer_id();
+            let addr = st
+                .relays
+                .get(&relay_peer_id)
+                .map(|a| full_addr(&reach::circuit_addr(a, relay_peer_id), local).to_string())
+                .unwrap_or_default();
+            tracing::info!(target: "shoal::net", relay = %relay_peer_id, "relay slot reserved: {addr}");
+            st.status.relayed_addr = Some(addr.clone());
+            emit(
+                st,
+                NetEvent::RelayReserved {
+                    relay: relay_peer_id.to_string(),
+                    addr,
+                },
+            );
+        }
         _ => {}
+    }
+}
+
+/// A peer's identify: refuse it if it speaks another wire version, learn its DHT
+/// addresses, whether it relays, and what address it saw us at; answer dials waiting on it.
+fn on_identify(
+    swarm: &mut Swarm<Behaviour>,
+    st: &mut State,
+    peer: PeerId,
+    conn: ConnectionId,
+    info: identify::Info,
+) {
+    if let Some(reason) =
+        reach::incompatible(&st.protocol, &info.protocol_version, &info.agent_version)
+    {
+        tracing::warn!(target: "shoal::net", %peer, "refused: {reason}");
+        st.status.refuse(peer, reason.clone());
+        st.refused.insert(peer, reason.clone());
+        if let Some((_, replies)) = st.identifying.remove(&peer) {
+            for r in replies {
+                let _ = r.send(Err(NetError::Refused {
+                    peer: peer.to_string(),
+                    reason: reason.clone(),
+                }));
+            }
+        }
+        emit(
+            st,
+            NetEvent::Refused {
+                peer: peer.to_string(),
+                reason,
+            },
+        );
+        let _ = swarm.disconnect_peer_id(peer);
+        return;
+    }
+    if let Some((_, replies)) = st.identifying.remove(&peer) {
+        for r in replies {
+            let _ = r.send(Ok(peer));
+        }
+    }
+    st.status.observed(&info.observed_addr);
+    st.status.remotes.entry(peer.to_string()).or_default().agent = info.agent_version.clone();
+    if info.protocols.contains(&KAD_PROTOCOL) {
+        for a in &info.listen_addrs {
+            swarm.behaviour_mut().kad.add_address(&peer, a.clone());
+        }
+    }
+    if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+        // The address we reached it at (a direct connection) is one that works for us.
+        let direct = st
+            .conns
+            .get(&conn)
+            .filter(|c| !c.relayed)
+            .map(|c| c.addr.clone());
+        if let Some(a) = direct {
+            st.relays.insert(peer, a);
+        }
+    }
+}
+
+/// An AutoNAT v2 test of one of our addresses ended.
+fn on_autonat(st: &mut State, e: autonat::v2::client::Event) {
+    match e.result {
+        Ok(()) => {
+            let was = st.status.reachability;
+            st.status.confirmed(&e.tested_addr);
+            tracing::info!(target: "shoal::net", addr = %e.tested_addr, "reachable: a peer dialled us back");
+            if was != reach::Reachability::Public {
+                emit(
+                    st,
+                    NetEvent::Reachability {
+                        public: true,
+                        addr: e.tested_addr.to_string(),
+                    },
+                );
+            }
+        }
+        Err(err) => {
+            let why = one_line(&err.to_string());
+            tracing::info!(target: "shoal::net", addr = %e.tested_addr, "dial-back failed: {why}");
+            if st.status.probe_failed(&e.tested_addr, why) {
+                emit(
+                    st,
+                    NetEvent::Reachability {
+                        public: false,
+                        addr: e.tested_addr.to_string(),
+                    },
+                );
+            }
+        }
     }
 }
 
@@ -291,6 +608,19 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                         let _ = reply.send(found);
                     } else {
                         st.queries.insert(id, Pending::GetProviders(found, reply));
+                    }
+                }
+                (Pending::Relays, QueryResult::GetProviders(r)) => {
+                    if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = r {
+                        for p in providers {
+                            if p != *swarm.local_peer_id() && !swarm.is_connected(&p) {
+                                // Its identify, once connected, shows the hop protocol.
+                                let _ = swarm.dial(p);
+                            }
+                        }
+                    }
+                    if !step.last {
+                        st.queries.insert(id, Pending::Relays);
                     }
                 }
                 (Pending::Put(reply), QueryResult::PutRecord(_))

@@ -4,6 +4,7 @@
 //! reads) and show it to people through its `Display`. Nothing reads the printed text.
 
 use crate::averaging::AvgSnapshot;
+use crate::net::reach::NetEvent;
 use crate::stage::service::CounterSnapshot;
 use crate::trainer::report::Progress;
 use serde::{Deserialize, Serialize};
@@ -170,6 +171,13 @@ pub enum Event {
         /// Swapped calls by reason.
         swapped: BTreeMap<String, u64>,
     },
+    /// What the network learned about reaching this peer, or about another peer: AutoNAT's
+    /// verdict, a relay reservation, a relayed connection, a hole punch, a refused peer.
+    Net {
+        /// What.
+        #[serde(flatten)]
+        what: NetEventJson,
+    },
     /// Ctrl-C or SIGTERM: the peer stops gracefully.
     Stopping,
     /// The peer stopped.
@@ -278,6 +286,7 @@ impl std::fmt::Display for Event {
                 }
                 write!(f, "{}", lines.join("\n"))
             }
+            Event::Net { what } => write!(f, "{what}"),
             Event::Stopping => write!(
                 f,
                 "stopping: finishing in-flight work, withdrawing announcements"
@@ -294,6 +303,107 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// A [`NetEvent`] as it is written in the events' JSON (`"net": "hole_punch"`, ...).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "net", rename_all = "snake_case")]
+pub enum NetEventJson {
+    /// AutoNAT's verdict changed.
+    Reachability {
+        /// Whether a dial-back succeeded.
+        public: bool,
+        /// The address tested.
+        addr: String,
+    },
+    /// A relay accepted our reservation.
+    RelayReserved {
+        /// The relay.
+        relay: String,
+        /// The relayed address.
+        addr: String,
+    },
+    /// A connection through a relay.
+    Relayed {
+        /// The remote peer.
+        peer: String,
+    },
+    /// A hole punch ended.
+    HolePunch {
+        /// The remote peer.
+        peer: String,
+        /// Whether it went direct.
+        ok: bool,
+        /// Why not.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    /// A peer was refused.
+    Refused {
+        /// The remote peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl From<NetEvent> for NetEventJson {
+    fn from(e: NetEvent) -> Self {
+        match e {
+            NetEvent::Reachability { public, addr } => Self::Reachability { public, addr },
+            NetEvent::RelayReserved { relay, addr } => Self::RelayReserved { relay, addr },
+            NetEvent::Relayed { peer } => Self::Relayed { peer },
+            NetEvent::HolePunch { peer, ok, error } => Self::HolePunch { peer, ok, error },
+            NetEvent::Refused { peer, reason } => Self::Refused { peer, reason },
+        }
+    }
+}
+
+impl std::fmt::Display for NetEventJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Reachability { public: true, addr } => {
+                write!(f, "reachable: a peer dialled {addr} back")
+            }
+            Self::Reachability {
+                public: false,
+                addr,
+            } => write!(
+                f,
+                "not reachable from outside (a dial-back to {addr} failed): looking for a relay"
+            ),
+            Self::RelayReserved { addr, .. } => write!(f, "reachable through a relay: {addr}"),
+            Self::Relayed { peer } => write!(f, "relayed connection with {peer}"),
+            Self::HolePunch { peer, ok: true, .. } => {
+                write!(f, "hole punch with {peer}: direct connection")
+            }
+            Self::HolePunch { peer, error, .. } => write!(
+                f,
+                "hole punch with {peer} failed ({}); staying relayed",
+                error.as_deref().unwrap_or("no reason")
+            ),
+            Self::Refused { peer, reason } => write!(f, "refused {peer}: {reason}"),
+        }
+    }
+}
+
+/// Reports what `net` learns as [`Event::Net`] until its network stops.
+pub fn forward_net_events(
+    net: &crate::net::NetHandle,
+    emit: Observer,
+) -> tokio::task::JoinHandle<()> {
+    let mut rx = net.subscribe();
+    tokio::spawn(async move {
+        loop {
+            match rx.recv().await {
+                Ok(e) => emit(Event::Net { what: e.into() }),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::debug!(target: "shoal::net", "{n} network events not reported");
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+            }
+        }
+    })
 }
 
 /// Receives a peer's events.

@@ -197,7 +197,8 @@ pub struct Peer {
     moving: Arc<tokio::sync::Mutex<()>>,
     rebalancer: Option<tokio::task::JoinHandle<()>>,
     /// Republishes the run's manifest.
-    manifest_keeper: tokio::task::JoinHandle<()>,
+    /// The manifest republisher, the bootstrap re-dialler, the network events' forwarder.
+    _keepers: Keepers,
     moves: Arc<AtomicU64>,
     trainers: Vec<Trainer>,
     /// The trainers' own network node, beside a stage (see [`Peer::start`]).
@@ -213,28 +214,83 @@ impl std::fmt::Debug for Peer {
     }
 }
 
-/// Dials every bootstrap address; succeeds if at least one answers.
+/// How long [`join`] keeps trying the bootstrap addresses before it gives up.
+pub const BOOTSTRAP_PATIENCE: Duration = Duration::from_secs(8);
+/// How often a peer checks that it is still connected to its bootstrap peers.
+const REJOIN_EVERY: Duration = Duration::from_secs(30);
+
+/// Dials every bootstrap address; succeeds if at least one answers. While none does, it
+/// tries again with backoff (0.5 s, 1 s, 2 s, ...) for [`BOOTSTRAP_PATIENCE`]. A peer of
+/// another wire version is not retried: its refusal is the answer.
 pub async fn join(net: &NetHandle, bootstrap: &[Multiaddr]) -> Result<(), PeerError> {
     if bootstrap.is_empty() {
         return Ok(());
     }
-    let dials = futures::future::join_all(bootstrap.iter().map(|a| {
+    let deadline = tokio::time::Instant::now() + BOOTSTRAP_PATIENCE;
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        let errors = dial_all(net, bootstrap).await;
+        if errors.len() < bootstrap.len() {
+            net.bootstrap().await?;
+            return Ok(());
+        }
+        let refused = errors.iter().all(|(_, refused)| *refused);
+        let now = tokio::time::Instant::now();
+        if refused || now + backoff > deadline {
+            let errors: Vec<String> = errors.into_iter().map(|(e, _)| e).collect();
+            return Err(PeerError::Bootstrap(errors.join("; ")));
+        }
+        tracing::debug!(target: "shoal::peer", "no bootstrap peer answered; trying again in {backoff:?}");
+        tokio::time::sleep(backoff).await;
+        backoff *= 2;
+    }
+}
+
+/// Dials every address at once; the failures, each with whether it was a refusal.
+async fn dial_all(net: &NetHandle, addrs: &[Multiaddr]) -> Vec<(String, bool)> {
+    let dials = futures::future::join_all(addrs.iter().map(|a| {
         let net = net.clone();
         let a = a.clone();
         async move {
             match tokio::time::timeout(Duration::from_secs(15), net.dial(a.clone())).await {
-                Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err(format!("{a}: no answer in 15 s")),
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some((e.to_string(), matches!(e, net::NetError::Refused { .. }))),
+                Err(_) => Some((format!("{a}: no answer in 15 s"), false)),
             }
         }
     }))
     .await;
-    let errors: Vec<String> = dials.iter().filter_map(|r| r.clone().err()).collect();
-    if errors.len() == dials.len() {
-        return Err(PeerError::Bootstrap(errors.join("; ")));
+    dials.into_iter().flatten().collect()
+}
+
+/// Every [`REJOIN_EVERY`], dials the bootstrap peers this peer lost its connection to and
+/// refreshes the DHT through them: peers that bootstrapped apart (or lost their only link
+/// to the rest) join the one swarm again instead of living on as separate DHTs.
+async fn rejoin_loop(net: NetHandle, bootstrap: Vec<Multiaddr>) {
+    loop {
+        tokio::time::sleep(REJOIN_EVERY).await;
+        let Ok(conns) = net.connections().await else {
+            return;
+        };
+        let lost: Vec<Multiaddr> = bootstrap
+            .iter()
+            .filter(|a| match net::peer_of(a) {
+                Some(p) => !conns.iter().any(|c| c.peer == p),
+                None => conns.is_empty(),
+            })
+            .cloned()
+            .collect();
+        if lost.is_empty() {
+            continue;
+        }
+        let failed = dial_all(&net, &lost).await;
+        if failed.len() < lost.len() {
+            tracing::info!(target: "shoal::peer", "rejoined through {} bootstrap peer(s)", lost.len() - failed.len());
+            if net.bootstrap().await.is_err() {
+                return;
+            }
+        }
     }
-    net.bootstrap().await?;
-    Ok(())
 }
 
 impl Peer {
@@ -257,7 +313,17 @@ impl Peer {
             RunSource::Id(_) => None,
         };
         let n_listen = cfg.net.listen.len();
-        let net = net::start(cfg.net.clone())?;
+        let mut netcfg = cfg.net.clone();
+        // A joiner serves the DHT once AutoNAT confirms others can dial it (behind NAT it
+        // never does); the first peer of a swarm, and a relay, are dialled by definition.
+        if !cfg.bootstrap.is_empty() && !netcfg.relay_server {
+            netcfg.assume_public = false;
+        }
+        let net = net::start(netcfg)?;
+        let mut keepers = Keepers(vec![super::events::forward_net_events(
+            &net,
+            Arc::clone(&emit),
+        )]);
         let addrs = net
             .wait_listening(n_listen, Duration::from_secs(10))
             .await?;
@@ -272,6 +338,10 @@ impl Peer {
             });
         }
         join(&net, &cfg.bootstrap).await?;
+        keepers.0.push(tokio::spawn(rejoin_loop(
+            net.clone(),
+            cfg.bootstrap.clone(),
+        )));
         let manifest = match (from_file, &cfg.run) {
             (Some(m), _) => m,
             (None, RunSource::Id(id)) => {
@@ -282,7 +352,7 @@ impl Peer {
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
         // Every peer keeps the manifest alive (a bootstrap that serves no stage too): its
         // record expires with the announcement TTL.
-        let manifest_keeper = {
+        keepers.0.push({
             let (net, manifest, ttl) = (net.clone(), manifest.clone(), cfg.announce_ttl);
             tokio::spawn(async move {
                 let period = (ttl / 3).max(Duration::from_millis(200));
@@ -291,7 +361,7 @@ impl Peer {
                     let _ = registry::publish_manifest(&net, &manifest, ttl).await;
                 }
             })
-        };
+        });
         emit(Event::Run {
             id: manifest.id.clone(),
         });
@@ -342,7 +412,7 @@ impl Peer {
             slot: Arc::new(Mutex::new(None)),
             moving: Arc::new(tokio::sync::Mutex::new(())),
             rebalancer: None,
-            manifest_keeper,
+            _keepers: keepers,
             moves: Arc::new(AtomicU64::new(0)),
             trainers: Vec::new(),
             trainer_net: None,
@@ -512,12 +582,22 @@ impl Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
-        self.manifest_keeper.abort();
         if let Some(r) = self.rebalancer.take() {
             r.abort();
         }
         if let Some(s) = slot_lock(&self.slot).take() {
             s.refresher.abort();
+        }
+    }
+}
+
+/// Background tasks of a peer, aborted when it is dropped (also when it fails to start).
+struct Keepers(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Keepers {
+    fn drop(&mut self) {
+        for k in &self.0 {
+            k.abort();
         }
     }
 }
