@@ -17,6 +17,16 @@ SHOAL = os.environ["SHOAL"]
 P = os.environ.get("NS_PREFIX", "shl")
 LAB_S = float(os.environ.get("LAB_S", "90"))
 PUB = "10.77.0.1"
+# Set by nat-lab.sh where the kernel has no netem: the home peers delay their own traffic.
+APP_DELAY = os.environ.get("LAB_APP_DELAY")
+
+
+def home_args():
+    """Link emulation for a home process where tc cannot delay (TCP only then)."""
+    if not APP_DELAY:
+        return []
+    ms = int(APP_DELAY.rstrip("ms"))
+    return ["--emulate-link", f"rtt={2 * ms}ms"]
 
 
 def main():
@@ -35,9 +45,11 @@ def main():
                                        stderr=subprocess.STDOUT)
 
     def peer(name, ns, listen, stage, boot=None, extra=()):
+        addrs = [f"/ip4/{listen}/tcp/{port_of[name]}"]
+        if not (APP_DELAY and ns != "pub"):
+            addrs.append(f"/ip4/{listen}/udp/{port_of[name]}/quic-v1")
         args = ["peer", "--run", f"{w}/run.toml", "--identity", f"{w}/{name}.key",
-                "--listen", f"/ip4/{listen}/tcp/{port_of[name]}",
-                f"/ip4/{listen}/udp/{port_of[name]}/quic-v1",
+                "--listen", *addrs,
                 "--stage", stage, "--trainers", "0", "--rebalance-every", "0"] + list(extra)
         if boot:
             args += ["--bootstrap", boot]
@@ -57,8 +69,8 @@ def main():
         boot = f"/ip4/{PUB}/tcp/4001/p2p/{ids['boot']}"
         peer("pub0", "pub", PUB, "0", boot)
         peer("pub1", "pub", PUB, "1", boot)
-        peer("home1", "h1", "0.0.0.0", "0", boot)
-        peer("home2", "h2", "0.0.0.0", "1", boot)
+        peer("home1", "h1", "0.0.0.0", "0", boot, home_args())
+        peer("home2", "h2", "0.0.0.0", "1", boot, home_args())
         for n in ("pub0", "pub1", "home1", "home2"):
             ids[n] = ready(n)
         # The home peers learn they are behind NAT (a dial-back fails) and take a relay
@@ -70,7 +82,8 @@ def main():
             if e is None:
                 raise SystemExit(f"nat-lab: {n} reserved no relay slot (see {w}/{n}.log)")
             print(f"nat-lab: {n} reachable through the relay: {e['addr']}", file=sys.stderr)
-        start("trainer", "h3", ["train", "--run", f"{w}/run.toml", "--bootstrap", boot])
+        start("trainer", "h3",
+              ["train", "--run", f"{w}/run.toml", "--bootstrap", boot] + home_args())
         t0 = time.time()
         while time.time() < t0 + LAB_S:
             if procs["trainer"].poll() is not None:

@@ -25,6 +25,10 @@ type DialReply = oneshot::Sender<Result<PeerId, NetError>>;
 
 /// How long a dial waits for the remote identify before it is answered anyway.
 const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
+/// A peer that others observed but none dialled back for this long is private: behind a
+/// NAT or firewall that drops inbound connections, a dial-back does not fail, it hangs
+/// until AutoNAT's own timeout, which it does not report.
+const PRIVATE_AFTER: Duration = Duration::from_secs(15);
 /// How often a private peer without a relay looks for one in the DHT.
 const RELAY_SEARCH: Duration = Duration::from_secs(10);
 
@@ -55,6 +59,8 @@ struct State {
     relays_failed: HashSet<PeerId>,
     refused: HashMap<PeerId, String>,
     last_relay_search: Option<Instant>,
+    /// When another peer first told us the address it sees us at.
+    first_observed: Option<Instant>,
 }
 
 pub(crate) async fn run(
@@ -79,6 +85,7 @@ pub(crate) async fn run(
         relays_failed: HashSet::new(),
         refused: HashMap::new(),
         last_relay_search: None,
+        first_observed: None,
     };
     if st.relay_server {
         // Private peers find relays as providers of this key.
@@ -117,6 +124,28 @@ fn on_tick(swarm: &mut Swarm<Behaviour>, st: &mut State) {
             for r in replies {
                 let _ = r.send(Ok(p));
             }
+        }
+    }
+    let silent = st
+        .first_observed
+        .is_some_and(|t| t.elapsed() >= PRIVATE_AFTER);
+    if st.status.reachability == reach::Reachability::Unknown && silent {
+        let addr = st
+            .status
+            .observed
+            .first()
+            .and_then(|a| a.parse::<Multiaddr>().ok())
+            .unwrap_or_else(Multiaddr::empty);
+        let why = format!("no dial-back succeeded in {} s", PRIVATE_AFTER.as_secs());
+        tracing::info!(target: "shoal::net", "not reachable from outside: {why}");
+        if st.status.probe_failed(&addr, why) {
+            emit(
+                st,
+                NetEvent::Reachability {
+                    public: false,
+                    addr: addr.to_string(),
+                },
+            );
         }
     }
     if st.status.reachability == reach::Reachability::Private && st.reservation.is_none() {
@@ -499,6 +528,7 @@ fn on_identify(
         }
     }
     st.status.observed(&info.observed_addr);
+    st.first_observed.get_or_insert_with(Instant::now);
     st.status.remotes.entry(peer.to_string()).or_default().agent = info.agent_version.clone();
     if info.protocols.contains(&KAD_PROTOCOL) {
         for a in &info.listen_addrs {

@@ -28,5 +28,19 @@ pub mod tensor;
 
 use libp2p::StreamProtocol;
 
-/// The stage call protocol.
-pub const STAGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/stage/1.0.0");
+/// The stage call protocol; its version is the wire format's ([`crate::wire::msg::MSG_VERSION`]),
+/// so peers of different formats never open a stream to each other.
+pub const STAGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/stage/4");
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_stage_protocol_carries_the_wire_version() {
+        let name = super::STAGE_PROTOCOL.to_string();
+        assert_eq!(
+            name.rsplit('/').next(),
+            Some(crate::wire::msg::MSG_VERSION.to_string().as_str()),
+            "bump STAGE_PROTOCOL with MSG_VERSION"
+        );
+    }
+}
