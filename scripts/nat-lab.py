@@ -89,6 +89,7 @@ def main():
             if procs["trainer"].poll() is not None:
                 raise SystemExit(f"nat-lab: the trainer exited early (see {w}/trainer.log)")
             time.sleep(1)
+        seconds = time.time() - t0
         procs["trainer"].send_signal(signal.SIGINT)
         try:
             procs["trainer"].wait(timeout=60)
@@ -117,7 +118,9 @@ def main():
                         failed_punches.append((n, homes[e["peer"]], e.get("error")))
         for a, b, err in failed_punches:
             print(f"nat-lab: a hole punch {a} -> {b} failed: {err}", file=sys.stderr)
-        print(json.dumps({"progress": prog, "punched": sorted(map(sorted, punched)),
+        print(json.dumps({"progress": prog, "seconds": round(seconds, 1),
+                          "samples_per_s": round(prog["completed"] / seconds, 1),
+                          "punched": sorted(map(sorted, punched)),
                           "relayed": sorted(map(sorted, relayed)), "work": w}),
               file=sys.stderr)
         d, r = len(punched), len(relayed - punched)

@@ -13,6 +13,9 @@
 #       default 20ms); behind it the home (shl-h$i, 192.168.$i.2)
 #   home 1 serves stage 0, home 2 stage 1, home 3 runs the trainer, for LAB_S seconds
 #       (default 90) after both home peers are reachable through the relay.
+#   LAB_NAT=symmetric makes the routers pick a random outside port for every connection
+#   (MASQUERADE --random-fully): hole punching cannot work, every home-to-home connection
+#   stays on the relay (to measure training through a relay; D is then 0).
 #
 # Prints one line, `nat-lab: direct D relayed R samples S failed F`: pairs of home peers
 # whose connection ended direct after hole punching, pairs still only relayed, samples the
@@ -76,7 +79,11 @@ for i in 1 2 3; do
   nsx h$i ip route add default via 192.168.$i.1
   nsx r$i sysctl -qw net.ipv4.ip_forward=1
   # NAT, and nothing unsolicited from the WAN side: neither to the router nor forwarded.
-  nsx r$i iptables -t nat -A POSTROUTING -o ${P}w$i -j MASQUERADE
+  if [ "${LAB_NAT:-cone}" = symmetric ]; then
+    nsx r$i iptables -t nat -A POSTROUTING -o ${P}w$i -j MASQUERADE --random-fully
+  else
+    nsx r$i iptables -t nat -A POSTROUTING -o ${P}w$i -j MASQUERADE
+  fi
   for chain in INPUT FORWARD; do
     nsx r$i iptables -A $chain -i ${P}w$i -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
     nsx r$i iptables -A $chain -i ${P}w$i -j DROP

@@ -1,6 +1,7 @@
 //! Reachability on 127.0.0.1: peers of another wire version are refused on both sides with
 //! a one-line reason; AutoNAT confirms a joiner's address (then it serves the DHT); a
-//! joiner whose bootstrap peer is refused gets that reason, not a decode error.
+//! joiner whose bootstrap peer is refused gets that reason, not a decode error; a peer
+//! that started apart from its bootstrap list's other peers joins them into one DHT.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -12,6 +13,7 @@ use shoal::config::RunConfig;
 use shoal::dht::Manifest;
 use shoal::net::reach::Reachability;
 use shoal::net::{self, NetConfig, NetError, NetHandle};
+use shoal::stage::registry;
 use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
 use shoal::wire::msg::MSG_VERSION;
 use std::time::{Duration, Instant};
@@ -143,4 +145,78 @@ async fn joining_through_a_peer_of_another_version_fails_with_the_reason() {
     assert!(!msg.contains('\n'), "{msg}");
     // A refusal is an answer: no retries with backoff.
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+fn run_file(dir: &tempfile::TempDir, steps: u64) -> (Manifest, std::path::PathBuf) {
+    let mut cfg = RunConfig::tiny();
+    cfg.training.steps = steps;
+    let m = Manifest::from_config(&cfg).unwrap();
+    let path = dir.path().join(format!("run-{steps}.toml"));
+    std::fs::write(&path, m.file_text()).unwrap();
+    (m, path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_started_apart_joins_the_dht_through_its_bootstrap_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_a, path_a) = run_file(&dir, 100);
+    let (_, path_b) = run_file(&dir, 200);
+    let listen = |port: u16| -> Vec<Multiaddr> {
+        vec![format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap()]
+    };
+    let key = || libp2p::identity::Keypair::generate_ed25519();
+    // A: the first DHT, publishing run A.
+    let a = Peer::start(
+        PeerConfig::new(
+            RunSource::File(path_a),
+            NetConfig::new(key(), listen(0)),
+            vec![],
+            StageChoice::None,
+        ),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    // B will start later at a known address, as a DHT of its own.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let b_key = key();
+    let b_addr: Multiaddr = format!(
+        "/ip4/127.0.0.1/tcp/{port}/p2p/{}",
+        b_key.public().to_peer_id()
+    )
+    .parse()
+    .unwrap();
+    // C knows both; only A answers when it joins.
+    let mut c_cfg = PeerConfig::new(
+        RunSource::Id(run_a.id.clone()),
+        NetConfig::new(key(), listen(0)),
+        vec![a.addrs()[0].clone(), b_addr],
+        StageChoice::None,
+    );
+    c_cfg.rejoin_every = Duration::from_millis(500);
+    let c = Peer::start(c_cfg, |_| {}).await.unwrap();
+    let b = Peer::start(
+        PeerConfig::new(
+            RunSource::File(path_b),
+            NetConfig::new(b_key, listen(port)),
+            vec![],
+            StageChoice::None,
+        ),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    // C re-dials B and refreshes the DHT through it: B now finds run A's manifest, which
+    // only A and C hold.
+    let found = registry::fetch_manifest(b.net(), &run_a.id, Duration::from_secs(20)).await;
+    assert_eq!(found.map(|m| m.id).ok(), Some(run_a.id.clone()));
+    let conns = c.net().connections().await.unwrap();
+    assert!(conns.iter().any(|x| x.peer == b.net().local_peer_id()));
+    for p in [a, b, c] {
+        p.stop().await.unwrap();
+    }
 }

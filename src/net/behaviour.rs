@@ -19,8 +19,8 @@ use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
-    autonat, connection_limits, dcutr, identify, kad, noise, ping, pnet, relay, tcp, yamux,
-    StreamProtocol, Swarm, SwarmBuilder,
+    autonat, connection_limits, dcutr, identify, kad, noise, peer_store, ping, pnet, relay, tcp,
+    yamux, StreamProtocol, Swarm, SwarmBuilder,
 };
 use std::time::Duration;
 
@@ -55,6 +55,9 @@ pub struct Behaviour {
     pub dcutr: dcutr::Behaviour,
     /// Raw streams for stage calls and bulk transfers.
     pub stream: libp2p_stream::Behaviour,
+    /// Addresses of peers we were told about ([`super::NetHandle::add_addresses`]: from
+    /// announcements), so a stream to a peer not connected yet can dial it.
+    pub addresses: peer_store::Behaviour<peer_store::memory_store::MemoryStore>,
 }
 
 fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetConfig) -> Behaviour {
@@ -119,6 +122,11 @@ fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetCon
         relay_server: Toggle::from(relay_server),
         dcutr: dcutr::Behaviour::new(id),
         stream: libp2p_stream::Behaviour::new(),
+        // Announcements re-add addresses every refresh; a failed dial (a restarting peer)
+        // does not forget one.
+        addresses: peer_store::Behaviour::new(peer_store::memory_store::MemoryStore::new(
+            peer_store::memory_store::Config::default().set_remove_addr_on_dial_error(false),
+        )),
     }
 }
 

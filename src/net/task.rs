@@ -29,6 +29,8 @@ const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
 /// NAT or firewall that drops inbound connections, a dial-back does not fail, it hangs
 /// until AutoNAT's own timeout, which it does not report.
 const PRIVATE_AFTER: Duration = Duration::from_secs(15);
+/// How long a refused peer stays connected: long enough to receive our identify.
+const REFUSE_GRACE: Duration = Duration::from_millis(500);
 /// How often a private peer without a relay looks for one in the DHT.
 const RELAY_SEARCH: Duration = Duration::from_secs(10);
 
@@ -61,6 +63,9 @@ struct State {
     last_relay_search: Option<Instant>,
     /// When another peer first told us the address it sees us at.
     first_observed: Option<Instant>,
+    /// Refused peers to disconnect once [`REFUSE_GRACE`] passed (so that they receive our
+    /// identify too, and say why on their side).
+    to_disconnect: Vec<(PeerId, Instant)>,
 }
 
 pub(crate) async fn run(
@@ -86,6 +91,7 @@ pub(crate) async fn run(
         refused: HashMap::new(),
         last_relay_search: None,
         first_observed: None,
+        to_disconnect: Vec::new(),
     };
     if st.relay_server {
         // Private peers find relays as providers of this key.
@@ -113,6 +119,13 @@ pub(crate) async fn run(
 /// Once a second: answer dials whose identify is late; a private peer without a relay
 /// looks for one.
 fn on_tick(swarm: &mut Swarm<Behaviour>, st: &mut State) {
+    st.to_disconnect.retain(|(p, since)| {
+        let due = since.elapsed() >= REFUSE_GRACE;
+        if due {
+            let _ = swarm.disconnect_peer_id(*p);
+        }
+        !due
+    });
     let late: Vec<PeerId> = st
         .identifying
         .iter()
@@ -519,7 +532,7 @@ fn on_identify(
                 reason,
             },
         );
-        let _ = swarm.disconnect_peer_id(peer);
+        st.to_disconnect.push((peer, Instant::now()));
         return;
     }
     if let Some((_, replies)) = st.identifying.remove(&peer) {

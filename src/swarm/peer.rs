@@ -102,6 +102,9 @@ pub struct PeerConfig {
     pub drain_timeout: Duration,
     /// Serve a `sim` run (the benchmark stand-in stage).
     pub allow_sim: bool,
+    /// How often the peer re-dials bootstrap peers it is not connected to (and refreshes
+    /// the DHT through them when one answers).
+    pub rejoin_every: Duration,
     /// A `sim` stage's time per sample is multiplied by this (benchmarks of uneven swarms).
     pub sim_slowdown: f64,
     /// Forward graphs the replica keeps for their backward (see [`Replica::with_kept_cap`]).
@@ -151,6 +154,7 @@ impl PeerConfig {
             rebalance: None,
             drain_timeout: Duration::from_secs(10),
             allow_sim: false,
+            rejoin_every: REJOIN_EVERY,
             sim_slowdown: 1.0,
             kept_forwards: crate::stage::replica::KEPT_CAP,
             bound_staleness: true,
@@ -217,7 +221,7 @@ impl std::fmt::Debug for Peer {
 /// How long [`join`] keeps trying the bootstrap addresses before it gives up.
 pub const BOOTSTRAP_PATIENCE: Duration = Duration::from_secs(8);
 /// How often a peer checks that it is still connected to its bootstrap peers.
-const REJOIN_EVERY: Duration = Duration::from_secs(30);
+pub const REJOIN_EVERY: Duration = Duration::from_secs(30);
 
 /// Dials every bootstrap address; succeeds if at least one answers. While none does, it
 /// tries again with backoff (0.5 s, 1 s, 2 s, ...) for [`BOOTSTRAP_PATIENCE`]. A peer of
@@ -263,12 +267,12 @@ async fn dial_all(net: &NetHandle, addrs: &[Multiaddr]) -> Vec<(String, bool)> {
     dials.into_iter().flatten().collect()
 }
 
-/// Every [`REJOIN_EVERY`], dials the bootstrap peers this peer lost its connection to and
+/// Every `every` ([`REJOIN_EVERY`] by default), dials the bootstrap peers this peer lost its connection to and
 /// refreshes the DHT through them: peers that bootstrapped apart (or lost their only link
 /// to the rest) join the one swarm again instead of living on as separate DHTs.
-async fn rejoin_loop(net: NetHandle, bootstrap: Vec<Multiaddr>) {
+async fn rejoin_loop(net: NetHandle, bootstrap: Vec<Multiaddr>, every: Duration) {
     loop {
-        tokio::time::sleep(REJOIN_EVERY).await;
+        tokio::time::sleep(every).await;
         let Ok(conns) = net.connections().await else {
             return;
         };
@@ -341,6 +345,7 @@ impl Peer {
         keepers.0.push(tokio::spawn(rejoin_loop(
             net.clone(),
             cfg.bootstrap.clone(),
+            cfg.rejoin_every,
         )));
         let manifest = match (from_file, &cfg.run) {
             (Some(m), _) => m,
