@@ -1,6 +1,8 @@
-"""The NAT lab's processes (scripts/nat-lab.sh builds the namespaces and calls this): the
-public bootstrap + relay and one public replica per stage, a replica in home 1 (stage 0)
-and home 2 (stage 1), the trainer in home 3; then one result line from their events."""
+"""The NAT lab's processes (scripts/nat-lab.sh builds the namespaces and calls this): on
+the internet a bootstrap peer, a relay (a peer with --relay-server that serves no stage:
+the home peers find it only through the DHT) and one replica per stage; a replica in home
+1 (stage 0) and home 2 (stage 1), the trainer in home 3; then one result line from their
+events."""
 import json
 import os
 import re
@@ -61,12 +63,15 @@ def main():
             raise SystemExit(f"nat-lab: {name} did not start (see {w}/{name}.log)")
         return e["peer"]
 
-    port_of = {"boot": 4001, "pub0": 4002, "pub1": 4003, "home1": 4101, "home2": 4102}
+    port_of = {"boot": 4001, "pub0": 4002, "pub1": 4003, "relay": 4004, "home1": 4101,
+               "home2": 4102}
     ids = {}
     try:
-        peer("boot", "pub", PUB, "none", extra=["--relay-server"])
+        peer("boot", "pub", PUB, "none")
         ids["boot"] = ready("boot")
         boot = f"/ip4/{PUB}/tcp/4001/p2p/{ids['boot']}"
+        peer("relay", "pub", PUB, "none", boot, ["--relay-server"])
+        ids["relay"] = ready("relay")
         peer("pub0", "pub", PUB, "0", boot)
         peer("pub1", "pub", PUB, "1", boot)
         peer("home1", "h1", "0.0.0.0", "0", boot, home_args())

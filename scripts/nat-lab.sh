@@ -5,8 +5,9 @@
 #   scripts/nat-lab.sh            (root; builds nothing: run `cargo build --release` first,
 #                                  or set SHOAL to a binary)
 #
-#   internet (namespace shl-pub, bridge 10.77.0.0/24): the bootstrap peer at 10.77.0.1,
-#       also a relay (--relay-server), and one replica of each stage
+#   internet (namespace shl-pub, bridge 10.77.0.0/24, all at 10.77.0.1): the bootstrap
+#       peer, a relay (--relay-server, no stage: homes find it through the DHT), and one
+#       replica of each stage
 #   home i = 1, 2, 3: a router (shl-r$i: WAN 10.77.0.1$i, LAN 192.168.$i.1) doing
 #       MASQUERADE and dropping unsolicited inbound connections, as home routers do, with
 #       `tc` shaping the uplink and downlink (LAB_RATE, default 50mbit; LAB_DELAY one way,

@@ -1,5 +1,5 @@
 //! Reachability on 127.0.0.1: peers of another wire version are refused on both sides with
-//! a one-line reason; AutoNAT confirms a joiner's address (then it serves the DHT); a
+//! a one-line reason; AutoNAT confirms a joiner's address; a
 //! joiner whose bootstrap peer is refused gets that reason, not a decode error; a peer
 //! that started apart from its bootstrap list's other peers joins them into one DHT.
 #![allow(
@@ -18,13 +18,12 @@ use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
 use shoal::wire::msg::MSG_VERSION;
 use std::time::{Duration, Instant};
 
-fn node(wire: u8, assume_public: bool) -> NetHandle {
+fn node(wire: u8) -> NetHandle {
     let mut cfg = NetConfig::new(
         libp2p::identity::Keypair::generate_ed25519(),
         vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
     );
     cfg.wire = wire;
-    cfg.assume_public = assume_public;
     net::start(cfg).unwrap()
 }
 
@@ -50,8 +49,8 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_of_another_wire_version_is_refused_on_both_sides() {
-    let old = node(MSG_VERSION, true);
-    let new = node(MSG_VERSION + 1, true);
+    let old = node(MSG_VERSION);
+    let new = node(MSG_VERSION + 1);
     let mut events = old.subscribe();
     let err = new.dial(addr(&old).await).await.unwrap_err();
     let msg = err.to_string();
@@ -92,14 +91,14 @@ async fn a_peer_of_another_wire_version_is_refused_on_both_sides() {
     .await;
     assert!(closed, "the refused connection stays open");
     // Same version: connects.
-    let same = node(MSG_VERSION, true);
+    let same = node(MSG_VERSION);
     same.dial(addr(&old).await).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn autonat_confirms_a_joiner_that_others_can_dial() {
-    let boot = node(MSG_VERSION, true);
-    let joiner = node(MSG_VERSION, false);
+    let boot = node(MSG_VERSION);
+    let joiner = node(MSG_VERSION);
     joiner.dial(addr(&boot).await).await.unwrap();
     let before = joiner.status().await.unwrap();
     assert_ne!(before.reachability, Reachability::Private);
@@ -130,7 +129,7 @@ async fn joining_through_a_peer_of_another_version_fails_with_the_reason() {
     let m = Manifest::from_config(&RunConfig::tiny()).unwrap();
     let path = dir.path().join("run.toml");
     std::fs::write(&path, m.file_text()).unwrap();
-    let other = node(MSG_VERSION + 1, true);
+    let other = node(MSG_VERSION + 1);
     let boot = addr(&other).await;
     let net = NetConfig::new(
         libp2p::identity::Keypair::generate_ed25519(),

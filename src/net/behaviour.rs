@@ -4,7 +4,7 @@
 //! before noise (QUIC cannot carry pnet, so it is off), plus the relay client transport in
 //! both cases. With link emulation ([`super::link`]) it is TCP only too, every socket
 //! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/1.0.0`, records validated before they are
-//! stored; a client until AutoNAT confirms an address, see [`super::reach`]), identify
+//! stored; a peer found private serves it only through a relay, see [`super::reach`]), identify
 //! (carrying the wire version), ping, AutoNAT v2 (client and server), relay client,
 //! optional relay server, DCUtR, connection limits, and libp2p-stream for our own stage and
 //! transfer protocols.
@@ -79,13 +79,14 @@ fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetCon
         },
     );
     let mut kad = kad::Behaviour::with_config(id, store, kad_cfg);
-    // Automatic mode (None): a client until an external address is confirmed, by
-    // AutoNAT or by the operator (a relay, the first peer of a swarm).
-    kad.set_mode(match (cfg.dht_server, cfg.assume_public) {
-        (false, _) => Some(kad::Mode::Client),
-        (true, true) => Some(kad::Mode::Server),
-        (true, false) => None,
-    });
+    // A server from the start (a client for `status` and other clients); a peer that
+    // AutoNAT finds private switches to automatic mode (see the task): a client until an
+    // address is confirmed, e.g. the relayed address its relay reservation gives it.
+    kad.set_mode(Some(if cfg.dht_server {
+        kad::Mode::Server
+    } else {
+        kad::Mode::Client
+    }));
     let limits = connection_limits::ConnectionLimits::default()
         .with_max_pending_incoming(Some(128))
         .with_max_pending_outgoing(Some(128))

@@ -58,7 +58,6 @@ pub async fn diagnose(
     wait: Duration,
 ) -> Result<Report, NetError> {
     cfg.dht_server = false;
-    cfg.assume_public = false;
     let n_listen = cfg.listen.len();
     let net = super::start(cfg)?;
     let listening: Vec<String> = net

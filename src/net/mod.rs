@@ -87,9 +87,6 @@ pub struct NetConfig {
     pub relay_server: bool,
     /// Answer DHT queries (serving peers); `false` for `shoal status` and other clients.
     pub dht_server: bool,
-    /// Serve the DHT from the start, as a peer others are told to dial (the first peer of
-    /// a swarm, a relay); otherwise only once AutoNAT confirms an address.
-    pub assume_public: bool,
     /// How often AutoNAT tests an untested address.
     pub probe_interval: Duration,
     /// The wire protocol version announced and required (tests change it).
@@ -113,7 +110,6 @@ impl NetConfig {
             swarm_key: None,
             relay_server: false,
             dht_server: true,
-            assume_public: true,
             probe_interval: Duration::from_secs(1),
             wire: crate::wire::msg::MSG_VERSION,
             provider_ttl: Duration::from_secs(60),
@@ -205,8 +201,7 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
     tokio::spawn(task::run(
         swarm,
         rx,
-        cfg.relay_server,
-        cfg.wire,
+        (cfg.relay_server, cfg.dht_server, cfg.wire),
         events.clone(),
     ));
     Ok(NetHandle {

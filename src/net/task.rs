@@ -38,8 +38,10 @@ enum Pending {
     GetRecord(Vec<Vec<u8>>, oneshot::Sender<Vec<Vec<u8>>>),
     GetProviders(HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>),
     Put(oneshot::Sender<Result<(), NetError>>),
-    /// Looking for relays; the providers found are dialled.
+    /// Looking for relays; the providers found are looked up and dialled.
     Relays,
+    /// Looking up a relay's addresses, to dial it.
+    RelayAddrs(PeerId),
 }
 
 struct State {
@@ -50,6 +52,7 @@ struct State {
     queries: HashMap<QueryId, Pending>,
     conns: HashMap<ConnectionId, ConnectionInfo>,
     relay_server: bool,
+    dht_server: bool,
     protocol: String,
     status: NetStatus,
     events: broadcast::Sender<NetEvent>,
@@ -71,8 +74,7 @@ struct State {
 pub(crate) async fn run(
     mut swarm: Swarm<Behaviour>,
     mut rx: mpsc::Receiver<Command>,
-    relay_server: bool,
-    wire: u8,
+    (relay_server, dht_server, wire): (bool, bool, u8),
     events: broadcast::Sender<NetEvent>,
 ) {
     let mut st = State {
@@ -82,6 +84,7 @@ pub(crate) async fn run(
         queries: HashMap::new(),
         conns: HashMap::new(),
         relay_server,
+        dht_server,
         protocol: reach::protocol_version(wire),
         status: NetStatus::default(),
         events,
@@ -152,6 +155,7 @@ fn on_tick(swarm: &mut Swarm<Behaviour>, st: &mut State) {
         let why = format!("no dial-back succeeded in {} s", PRIVATE_AFTER.as_secs());
         tracing::info!(target: "shoal::net", "not reachable from outside: {why}");
         if st.status.probe_failed(&addr, why) {
+            became_private(swarm, st);
             emit(
                 st,
                 NetEvent::Reachability {
@@ -197,6 +201,13 @@ fn reserve(swarm: &mut Swarm<Behaviour>, st: &mut State) {
             tracing::warn!(target: "shoal::net", %relay, "cannot listen through the relay: {e}");
             st.relays_failed.insert(relay);
         }
+    }
+}
+
+/// We are private: serve the DHT only once an address is confirmed (the relayed one).
+fn became_private(swarm: &mut Swarm<Behaviour>, st: &State) {
+    if st.dht_server {
+        swarm.behaviour_mut().kad.set_mode(None);
     }
 }
 
@@ -442,7 +453,7 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
             connection_id,
         })) => on_identify(swarm, st, peer_id, connection_id, info),
         SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => on_kad(swarm, st, e),
-        SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => on_autonat(st, e),
+        SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => on_autonat(swarm, st, e),
         SwarmEvent::Behaviour(BehaviourEvent::Ping(libp2p::ping::Event {
             peer,
             result: Ok(rtt),
@@ -544,8 +555,17 @@ fn on_identify(
     st.first_observed.get_or_insert_with(Instant::now);
     st.status.remotes.entry(peer.to_string()).or_default().agent = info.agent_version.clone();
     if info.protocols.contains(&KAD_PROTOCOL) {
+        // Only addresses on the host we see it connect from: a peer behind NAT lists
+        // its LAN and loopback addresses, which nobody else could dial.
+        let seen = st
+            .conns
+            .get(&conn)
+            .filter(|c| !c.relayed)
+            .map(|c| c.addr.clone());
         for a in &info.listen_addrs {
-            swarm.behaviour_mut().kad.add_address(&peer, a.clone());
+            if seen.as_ref().is_some_and(|s| same_host(a, s)) {
+                swarm.behaviour_mut().kad.add_address(&peer, a.clone());
+            }
         }
     }
     if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
@@ -562,7 +582,7 @@ fn on_identify(
 }
 
 /// An AutoNAT v2 test of one of our addresses ended.
-fn on_autonat(st: &mut State, e: autonat::v2::client::Event) {
+fn on_autonat(swarm: &mut Swarm<Behaviour>, st: &mut State, e: autonat::v2::client::Event) {
     match e.result {
         Ok(()) => {
             let was = st.status.reachability;
@@ -582,6 +602,7 @@ fn on_autonat(st: &mut State, e: autonat::v2::client::Event) {
             let why = one_line(&err.to_string());
             tracing::info!(target: "shoal::net", addr = %e.tested_addr, "dial-back failed: {why}");
             if st.status.probe_failed(&e.tested_addr, why) {
+                became_private(swarm, st);
                 emit(
                     st,
                     NetEvent::Reachability {
@@ -592,6 +613,19 @@ fn on_autonat(st: &mut State, e: autonat::v2::client::Event) {
             }
         }
     }
+}
+
+/// Whether two addresses name the same IP (a peer's listen address and the address its
+/// connection comes from).
+fn same_host(a: &Multiaddr, b: &Multiaddr) -> bool {
+    let ip = |m: &Multiaddr| {
+        m.iter().find_map(|p| match p {
+            Protocol::Ip4(x) => Some(std::net::IpAddr::V4(x)),
+            Protocol::Ip6(x) => Some(std::net::IpAddr::V6(x)),
+            _ => None,
+        })
+    };
+    matches!((ip(a), ip(b)), (Some(x), Some(y)) if x == y)
 }
 
 fn one_line(s: &str) -> String {
@@ -657,13 +691,35 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = r {
                         for p in providers {
                             if p != *swarm.local_peer_id() && !swarm.is_connected(&p) {
-                                // Its identify, once connected, shows the hop protocol.
-                                let _ = swarm.dial(p);
+                                // Provider records carry no addresses: find the relay's.
+                                let q = swarm.behaviour_mut().kad.get_closest_peers(p);
+                                st.queries.insert(q, Pending::RelayAddrs(p));
                             }
                         }
                     }
                     if !step.last {
                         st.queries.insert(id, Pending::Relays);
+                    }
+                }
+                (Pending::RelayAddrs(relay), QueryResult::GetClosestPeers(r)) => {
+                    let found = r.ok().and_then(|ok| {
+                        ok.peers
+                            .into_iter()
+                            .find(|p| p.peer_id == relay)
+                            .map(|p| p.addrs)
+                    });
+                    match found {
+                        Some(addrs) if !addrs.is_empty() && !swarm.is_connected(&relay) => {
+                            // Once connected, its identify shows the hop protocol.
+                            let opts = DialOpts::peer_id(relay).addresses(addrs).build();
+                            if let Err(e) = swarm.dial(opts) {
+                                tracing::debug!(target: "shoal::net", %relay, "cannot dial the relay: {e}");
+                            }
+                        }
+                        _ if !step.last => {
+                            st.queries.insert(id, Pending::RelayAddrs(relay));
+                        }
+                        _ => {}
                     }
                 }
                 (Pending::Put(reply), QueryResult::PutRecord(_))

@@ -317,13 +317,7 @@ impl Peer {
             RunSource::Id(_) => None,
         };
         let n_listen = cfg.net.listen.len();
-        let mut netcfg = cfg.net.clone();
-        // A joiner serves the DHT once AutoNAT confirms others can dial it (behind NAT it
-        // never does); the first peer of a swarm, and a relay, are dialled by definition.
-        if !cfg.bootstrap.is_empty() && !netcfg.relay_server {
-            netcfg.assume_public = false;
-        }
-        let net = net::start(netcfg)?;
+        let net = net::start(cfg.net.clone())?;
         let mut keepers = Keepers(vec![super::events::forward_net_events(
             &net,
             Arc::clone(&emit),
