@@ -12,6 +12,7 @@ pub mod doctor;
 pub mod io;
 pub mod keys;
 pub mod link;
+mod nat;
 pub mod reach;
 mod task;
 

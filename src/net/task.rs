@@ -5,7 +5,7 @@
 //! a decode error. Reachability, relays and hole punching are kept in a
 //! [`super::reach::NetStatus`] and reported as [`super::reach::NetEvent`]s.
 
-use super::behaviour::{Behaviour, BehaviourEvent, KAD_PROTOCOL};
+use super::behaviour::{Behaviour, BehaviourEvent};
 use super::reach::{self, NetEvent, NetStatus};
 use super::{Command, ConnectionInfo, NetError};
 use crate::dht;
@@ -16,25 +16,16 @@ use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quoru
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{autonat, dcutr, identify, relay, Multiaddr, PeerId, Swarm};
+use libp2p::{identify, Multiaddr, PeerId, Swarm};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-type DialReply = oneshot::Sender<Result<PeerId, NetError>>;
+pub(super) type DialReply = oneshot::Sender<Result<PeerId, NetError>>;
 
 /// How long a dial waits for the remote identify before it is answered anyway.
-const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
-/// A peer that others observed but none dialled back for this long is private: behind a
-/// NAT or firewall that drops inbound connections, a dial-back does not fail, it hangs
-/// until AutoNAT's own timeout, which it does not report.
-const PRIVATE_AFTER: Duration = Duration::from_secs(15);
-/// How long a refused peer stays connected: long enough to receive our identify.
-const REFUSE_GRACE: Duration = Duration::from_millis(500);
-/// How often a private peer without a relay looks for one in the DHT.
-const RELAY_SEARCH: Duration = Duration::from_secs(10);
-
-enum Pending {
+pub(super) const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
+pub(super) enum Pending {
     GetRecord(Vec<Vec<u8>>, oneshot::Sender<Vec<Vec<u8>>>),
     GetProviders(HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>),
     Put(oneshot::Sender<Result<(), NetError>>),
@@ -44,31 +35,31 @@ enum Pending {
     RelayAddrs(PeerId),
 }
 
-struct State {
-    listen: Vec<Multiaddr>,
-    dials: HashMap<ConnectionId, (Multiaddr, DialReply)>,
+pub(super) struct State {
+    pub(super) listen: Vec<Multiaddr>,
+    pub(super) dials: HashMap<ConnectionId, (Multiaddr, DialReply)>,
     /// Dials connected, waiting for the peer's identify: peer → (since, replies).
-    identifying: HashMap<PeerId, (Instant, Vec<DialReply>)>,
-    queries: HashMap<QueryId, Pending>,
-    conns: HashMap<ConnectionId, ConnectionInfo>,
-    relay_server: bool,
-    dht_server: bool,
-    protocol: String,
-    status: NetStatus,
-    events: broadcast::Sender<NetEvent>,
+    pub(super) identifying: HashMap<PeerId, (Instant, Vec<DialReply>)>,
+    pub(super) queries: HashMap<QueryId, Pending>,
+    pub(super) conns: HashMap<ConnectionId, ConnectionInfo>,
+    pub(super) relay_server: bool,
+    pub(super) dht_server: bool,
+    pub(super) protocol: String,
+    pub(super) status: NetStatus,
+    pub(super) events: broadcast::Sender<NetEvent>,
     /// Relays by peer id, with the address we reached each at.
-    relays: HashMap<PeerId, Multiaddr>,
+    pub(super) relays: HashMap<PeerId, Multiaddr>,
     /// The reservation being made or held: (listener, relay).
-    reservation: Option<(ListenerId, PeerId)>,
+    pub(super) reservation: Option<(ListenerId, PeerId)>,
     /// Relays whose reservation failed (not tried again).
-    relays_failed: HashSet<PeerId>,
-    refused: HashMap<PeerId, String>,
-    last_relay_search: Option<Instant>,
+    pub(super) relays_failed: HashSet<PeerId>,
+    pub(super) refused: HashMap<PeerId, String>,
+    pub(super) last_relay_search: Option<Instant>,
     /// When another peer first told us the address it sees us at.
-    first_observed: Option<Instant>,
+    pub(super) first_observed: Option<Instant>,
     /// Refused peers to disconnect once [`REFUSE_GRACE`] passed (so that they receive our
     /// identify too, and say why on their side).
-    to_disconnect: Vec<(PeerId, Instant)>,
+    pub(super) to_disconnect: Vec<(PeerId, Instant)>,
 }
 
 pub(crate) async fn run(
@@ -114,109 +105,17 @@ pub(crate) async fn run(
                 Some(cmd) => on_command(&mut swarm, &mut st, cmd),
             },
             event = swarm.select_next_some() => on_event(&mut swarm, &mut st, event),
-            _ = tick.tick() => on_tick(&mut swarm, &mut st),
+            _ = tick.tick() => super::nat::on_tick(&mut swarm, &mut st),
         }
     }
 }
 
-/// Once a second: answer dials whose identify is late; a private peer without a relay
-/// looks for one.
-fn on_tick(swarm: &mut Swarm<Behaviour>, st: &mut State) {
-    st.to_disconnect.retain(|(p, since)| {
-        let due = since.elapsed() >= REFUSE_GRACE;
-        if due {
-            let _ = swarm.disconnect_peer_id(*p);
-        }
-        !due
-    });
-    let late: Vec<PeerId> = st
-        .identifying
-        .iter()
-        .filter(|(_, (since, _))| since.elapsed() >= IDENTIFY_WAIT)
-        .map(|(p, _)| *p)
-        .collect();
-    for p in late {
-        if let Some((_, replies)) = st.identifying.remove(&p) {
-            for r in replies {
-                let _ = r.send(Ok(p));
-            }
-        }
-    }
-    let silent = st
-        .first_observed
-        .is_some_and(|t| t.elapsed() >= PRIVATE_AFTER);
-    if st.status.reachability == reach::Reachability::Unknown && silent {
-        let addr = st
-            .status
-            .observed
-            .first()
-            .and_then(|a| a.parse::<Multiaddr>().ok())
-            .unwrap_or_else(Multiaddr::empty);
-        let why = format!("no dial-back succeeded in {} s", PRIVATE_AFTER.as_secs());
-        tracing::info!(target: "shoal::net", "not reachable from outside: {why}");
-        if st.status.probe_failed(&addr, why) {
-            became_private(swarm, st);
-            emit(
-                st,
-                NetEvent::Reachability {
-                    public: false,
-                    addr: addr.to_string(),
-                },
-            );
-        }
-    }
-    if st.status.reachability == reach::Reachability::Private && st.reservation.is_none() {
-        reserve(swarm, st);
-        let due = st
-            .last_relay_search
-            .is_none_or(|t| t.elapsed() >= RELAY_SEARCH);
-        if st.reservation.is_none() && due {
-            st.last_relay_search = Some(Instant::now());
-            let q = swarm
-                .behaviour_mut()
-                .kad
-                .get_providers(kad::RecordKey::new(&reach::RELAY_KEY));
-            st.queries.insert(q, Pending::Relays);
-        }
-    }
-}
-
-/// Listens through the first known relay not yet tried.
-fn reserve(swarm: &mut Swarm<Behaviour>, st: &mut State) {
-    let Some((relay, addr)) = st
-        .relays
-        .iter()
-        .find(|(p, _)| !st.relays_failed.contains(p))
-        .map(|(p, a)| (*p, a.clone()))
-    else {
-        return;
-    };
-    let circuit = reach::circuit_addr(&addr, relay);
-    match swarm.listen_on(circuit.clone()) {
-        Ok(id) => {
-            tracing::info!(target: "shoal::net", %relay, "reserving a relay slot: {circuit}");
-            st.reservation = Some((id, relay));
-        }
-        Err(e) => {
-            tracing::warn!(target: "shoal::net", %relay, "cannot listen through the relay: {e}");
-            st.relays_failed.insert(relay);
-        }
-    }
-}
-
-/// We are private: serve the DHT only once an address is confirmed (the relayed one).
-fn became_private(swarm: &mut Swarm<Behaviour>, st: &State) {
-    if st.dht_server {
-        swarm.behaviour_mut().kad.set_mode(None);
-    }
-}
-
-fn emit(st: &State, e: NetEvent) {
+pub(super) fn emit(st: &State, e: NetEvent) {
     // No subscriber is fine: the status keeps the same facts.
     let _ = st.events.send(e);
 }
 
-fn full_addr(addr: &Multiaddr, local: PeerId) -> Multiaddr {
+pub(super) fn full_addr(addr: &Multiaddr, local: PeerId) -> Multiaddr {
     match addr.iter().last() {
         Some(Protocol::P2p(p)) if p == local => addr.clone(),
         _ => addr.clone().with(Protocol::P2p(local)),
@@ -451,9 +350,9 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
             peer_id,
             info,
             connection_id,
-        })) => on_identify(swarm, st, peer_id, connection_id, info),
+        })) => super::nat::on_identify(swarm, st, peer_id, connection_id, info),
         SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => on_kad(swarm, st, e),
-        SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => on_autonat(swarm, st, e),
+        SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => super::nat::on_autonat(swarm, st, e),
         SwarmEvent::Behaviour(BehaviourEvent::Ping(libp2p::ping::Event {
             peer,
             result: Ok(rtt),
@@ -463,172 +362,13 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
                 r.rtt_ms = Some(rtt.as_secs_f64() * 1e3);
             }
         }
-        SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
-            remote_peer_id,
-            result,
-        })) => {
-            let error = result.as_ref().err().map(|e| one_line(&e.to_string()));
-            if error.is_none() {
-                st.status.hole_punched += 1;
-            } else {
-                st.status.hole_punch_failed += 1;
-            }
-            tracing::info!(target: "shoal::net", peer = %remote_peer_id, ?error, "hole punch");
-            emit(
-                st,
-                NetEvent::HolePunch {
-                    peer: remote_peer_id.to_string(),
-                    ok: error.is_none(),
-                    error,
-                },
-            );
-        }
-        SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
-            relay::client::Event::ReservationReqAccepted {
-                relay_peer_id,
-                renewal,
-                ..
-            },
-        )) => {
-            if renewal {
-                return;
-            }
-            let local = *swarm.local_peer_id();
-            let addr = st
-                .relays
-                .get(&relay_peer_id)
-                .map(|a| full_addr(&reach::circuit_addr(a, relay_peer_id), local).to_string())
-                .unwrap_or_default();
-            tracing::info!(target: "shoal::net", relay = %relay_peer_id, "relay slot reserved: {addr}");
-            st.status.relayed_addr = Some(addr.clone());
-            emit(
-                st,
-                NetEvent::RelayReserved {
-                    relay: relay_peer_id.to_string(),
-                    addr,
-                },
-            );
-        }
+        SwarmEvent::Behaviour(BehaviourEvent::Dcutr(e)) => super::nat::on_dcutr(st, e),
+        SwarmEvent::Behaviour(BehaviourEvent::RelayClient(e)) => super::nat::on_relay(swarm, st, e),
         _ => {}
     }
 }
 
-/// A peer's identify: refuse it if it speaks another wire version, learn its DHT
-/// addresses, whether it relays, and what address it saw us at; answer dials waiting on it.
-fn on_identify(
-    swarm: &mut Swarm<Behaviour>,
-    st: &mut State,
-    peer: PeerId,
-    conn: ConnectionId,
-    info: identify::Info,
-) {
-    if let Some(reason) =
-        reach::incompatible(&st.protocol, &info.protocol_version, &info.agent_version)
-    {
-        tracing::warn!(target: "shoal::net", %peer, "refused: {reason}");
-        st.status.refuse(peer, reason.clone());
-        st.refused.insert(peer, reason.clone());
-        if let Some((_, replies)) = st.identifying.remove(&peer) {
-            for r in replies {
-                let _ = r.send(Err(NetError::Refused {
-                    peer: peer.to_string(),
-                    reason: reason.clone(),
-                }));
-            }
-        }
-        emit(
-            st,
-            NetEvent::Refused {
-                peer: peer.to_string(),
-                reason,
-            },
-        );
-        st.to_disconnect.push((peer, Instant::now()));
-        return;
-    }
-    if let Some((_, replies)) = st.identifying.remove(&peer) {
-        for r in replies {
-            let _ = r.send(Ok(peer));
-        }
-    }
-    st.status.observed(&info.observed_addr);
-    st.first_observed.get_or_insert_with(Instant::now);
-    st.status.remotes.entry(peer.to_string()).or_default().agent = info.agent_version.clone();
-    if info.protocols.contains(&KAD_PROTOCOL) {
-        // Only addresses on the host we see it connect from: a peer behind NAT lists
-        // its LAN and loopback addresses, which nobody else could dial.
-        let seen = st
-            .conns
-            .get(&conn)
-            .filter(|c| !c.relayed)
-            .map(|c| c.addr.clone());
-        for a in &info.listen_addrs {
-            if seen.as_ref().is_some_and(|s| same_host(a, s)) {
-                swarm.behaviour_mut().kad.add_address(&peer, a.clone());
-            }
-        }
-    }
-    if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
-        // The address we reached it at (a direct connection) is one that works for us.
-        let direct = st
-            .conns
-            .get(&conn)
-            .filter(|c| !c.relayed)
-            .map(|c| c.addr.clone());
-        if let Some(a) = direct {
-            st.relays.insert(peer, a);
-        }
-    }
-}
-
-/// An AutoNAT v2 test of one of our addresses ended.
-fn on_autonat(swarm: &mut Swarm<Behaviour>, st: &mut State, e: autonat::v2::client::Event) {
-    match e.result {
-        Ok(()) => {
-            let was = st.status.reachability;
-            st.status.confirmed(&e.tested_addr);
-            tracing::info!(target: "shoal::net", addr = %e.tested_addr, "reachable: a peer dialled us back");
-            if was != reach::Reachability::Public {
-                emit(
-                    st,
-                    NetEvent::Reachability {
-                        public: true,
-                        addr: e.tested_addr.to_string(),
-                    },
-                );
-            }
-        }
-        Err(err) => {
-            let why = one_line(&err.to_string());
-            tracing::info!(target: "shoal::net", addr = %e.tested_addr, "dial-back failed: {why}");
-            if st.status.probe_failed(&e.tested_addr, why) {
-                became_private(swarm, st);
-                emit(
-                    st,
-                    NetEvent::Reachability {
-                        public: false,
-                        addr: e.tested_addr.to_string(),
-                    },
-                );
-            }
-        }
-    }
-}
-
-/// Whether two addresses name the same IP (a peer's listen address and the address its
-/// connection comes from).
-fn same_host(a: &Multiaddr, b: &Multiaddr) -> bool {
-    let ip = |m: &Multiaddr| {
-        m.iter().find_map(|p| match p {
-            Protocol::Ip4(x) => Some(std::net::IpAddr::V4(x)),
-            Protocol::Ip6(x) => Some(std::net::IpAddr::V6(x)),
-            _ => None,
-        })
-    };
-    matches!((ip(a), ip(b)), (Some(x), Some(y)) if x == y)
-}
-
-fn one_line(s: &str) -> String {
+pub(super) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 

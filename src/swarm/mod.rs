@@ -2,11 +2,13 @@
 //! and the trainer loops it may run beside them. `shoal peer` is [`peer::Peer`].
 //!
 //! - [`peer`]: start-up (run, stage choice, trainers), stop, kill.
+//! - `join`: bootstrap dials with backoff, re-joining lost bootstrap peers.
 //! - `serving`: one stage served (build, sync, announce, leave) and the rebalancer.
 //! - [`export`]: every stage's state from a live swarm into one model file.
 //! - [`events`]: what a peer reports, as typed values (the `--events` JSON-lines stream).
 
 pub mod events;
 pub mod export;
+mod join;
 pub mod peer;
 mod serving;

@@ -1,0 +1,98 @@
+//! Joining a swarm and staying in it: dialling the bootstrap addresses with backoff, and
+//! re-dialling the ones a running peer lost, so peers that started apart (or lost their
+//! only link) end up in one DHT. Also the background tasks a peer holds.
+
+use super::peer::PeerError;
+use crate::net::{self, NetHandle};
+use libp2p::Multiaddr;
+use std::time::Duration;
+
+/// How long [`join`] keeps trying the bootstrap addresses before it gives up.
+pub const BOOTSTRAP_PATIENCE: Duration = Duration::from_secs(8);
+/// How often a peer checks that it is still connected to its bootstrap peers.
+pub const REJOIN_EVERY: Duration = Duration::from_secs(30);
+
+/// Dials every bootstrap address; succeeds if at least one answers. While none does, it
+/// tries again with backoff (0.5 s, 1 s, 2 s, ...) for [`BOOTSTRAP_PATIENCE`]. A peer of
+/// another wire version is not retried: its refusal is the answer.
+pub async fn join(net: &NetHandle, bootstrap: &[Multiaddr]) -> Result<(), PeerError> {
+    if bootstrap.is_empty() {
+        return Ok(());
+    }
+    let deadline = tokio::time::Instant::now() + BOOTSTRAP_PATIENCE;
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        let errors = dial_all(net, bootstrap).await;
+        if errors.len() < bootstrap.len() {
+            net.bootstrap().await?;
+            return Ok(());
+        }
+        let refused = errors.iter().all(|(_, refused)| *refused);
+        let now = tokio::time::Instant::now();
+        if refused || now + backoff > deadline {
+            let errors: Vec<String> = errors.into_iter().map(|(e, _)| e).collect();
+            return Err(PeerError::Bootstrap(errors.join("; ")));
+        }
+        tracing::debug!(target: "shoal::peer", "no bootstrap peer answered; trying again in {backoff:?}");
+        tokio::time::sleep(backoff).await;
+        backoff *= 2;
+    }
+}
+
+/// Dials every address at once; the failures, each with whether it was a refusal.
+async fn dial_all(net: &NetHandle, addrs: &[Multiaddr]) -> Vec<(String, bool)> {
+    let dials = futures::future::join_all(addrs.iter().map(|a| {
+        let net = net.clone();
+        let a = a.clone();
+        async move {
+            match tokio::time::timeout(Duration::from_secs(15), net.dial(a.clone())).await {
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some((e.to_string(), matches!(e, net::NetError::Refused { .. }))),
+                Err(_) => Some((format!("{a}: no answer in 15 s"), false)),
+            }
+        }
+    }))
+    .await;
+    dials.into_iter().flatten().collect()
+}
+
+/// Every `every` ([`REJOIN_EVERY`] by default), dials the bootstrap peers this peer lost its connection to and
+/// refreshes the DHT through them: peers that bootstrapped apart (or lost their only link
+/// to the rest) join the one swarm again instead of living on as separate DHTs.
+pub(super) async fn rejoin_loop(net: NetHandle, bootstrap: Vec<Multiaddr>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Ok(conns) = net.connections().await else {
+            return;
+        };
+        let lost: Vec<Multiaddr> = bootstrap
+            .iter()
+            .filter(|a| match net::peer_of(a) {
+                Some(p) => !conns.iter().any(|c| c.peer == p),
+                None => conns.is_empty(),
+            })
+            .cloned()
+            .collect();
+        if lost.is_empty() {
+            continue;
+        }
+        let failed = dial_all(&net, &lost).await;
+        if failed.len() < lost.len() {
+            tracing::info!(target: "shoal::peer", "rejoined through {} bootstrap peer(s)", lost.len() - failed.len());
+            if net.bootstrap().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Background tasks of a peer, aborted when it is dropped (also when it fails to start).
+pub(super) struct Keepers(pub(super) Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Keepers {
+    fn drop(&mut self) {
+        for k in &self.0 {
+            k.abort();
+        }
+    }
+}
