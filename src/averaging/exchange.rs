@@ -291,7 +291,9 @@ impl State {
                 .map_err(|e| e.to_string())?;
             // Kept for replicas that catch up (losing it only costs them a download).
             if let Ok(mut l) = log.lock() {
-                let _ = l.record(step, total, lost, r.params_hash(), avg.chunks());
+                if let Err(e) = l.record(step, total, lost, r.params_hash(), avg.chunks()) {
+                    tracing::warn!(target: "shoal::averaging", step, "cannot keep the update for replay: {e}");
+                }
             }
             Ok::<(), String>(())
         })

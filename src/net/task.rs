@@ -222,7 +222,9 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
                 .insert(q, Pending::GetProviders(HashSet::new(), reply));
         }
         Command::Bootstrap => {
-            let _ = swarm.behaviour_mut().kad.bootstrap();
+            if let Err(e) = swarm.behaviour_mut().kad.bootstrap() {
+                tracing::debug!(target: "shoal::net", "no DHT bootstrap: {e:?}");
+            }
         }
         Command::Connections(reply) => {
             let _ = reply.send(st.conns.values().cloned().collect());
@@ -382,7 +384,9 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                 ..
             } => match dht::validate(record.key.as_ref(), &record.value, now) {
                 Ok(()) => {
-                    let _ = swarm.behaviour_mut().kad.store_mut().put(record);
+                    if let Err(e) = swarm.behaviour_mut().kad.store_mut().put(record) {
+                        tracing::warn!(target: "shoal::net", %source, "cannot store a record: {e:?}");
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(target: "shoal::net", %source, "refused a record: {e}");
@@ -391,7 +395,9 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
             kad::InboundRequest::AddProvider {
                 record: Some(record),
             } if dht::record::is_provider_key(record.key.as_ref()) => {
-                let _ = swarm.behaviour_mut().kad.store_mut().add_provider(record);
+                if let Err(e) = swarm.behaviour_mut().kad.store_mut().add_provider(record) {
+                    tracing::warn!(target: "shoal::net", "cannot store a provider record: {e:?}");
+                }
             }
             _ => {}
         },

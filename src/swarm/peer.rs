@@ -280,7 +280,9 @@ impl Peer {
                 let period = (ttl / 3).max(Duration::from_millis(200));
                 loop {
                     tokio::time::sleep(period).await;
-                    let _ = registry::publish_manifest(&net, &manifest, ttl).await;
+                    if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
+                        tracing::warn!(target: "shoal::peer", "cannot republish the manifest: {e}");
+                    }
                 }
             })
         });

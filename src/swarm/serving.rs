@@ -341,7 +341,10 @@ impl Ctx {
         serving.refresher.abort();
         let last = self.last.lock().ok().and_then(|mut g| g.take());
         if let Some(a) = last {
-            let _ = registry::withdraw(&self.net, &a).await;
+            if let Err(e) = registry::withdraw(&self.net, &a).await {
+                // It expires with its TTL anyway.
+                tracing::debug!(target: "shoal::peer", "cannot withdraw the announcement: {e}");
+            }
         }
         let service = Arc::clone(&serving.service);
         service.drain();
@@ -575,7 +578,9 @@ impl Refresh {
         let period = (self.ttl / 3).max(Duration::from_millis(200));
         loop {
             tokio::time::sleep(period).await;
-            let _ = self.once().await;
+            if let Err(e) = self.once().await {
+                tracing::warn!(target: "shoal::peer", "cannot refresh the announcement: {e}");
+            }
         }
     }
 }
