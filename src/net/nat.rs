@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 pub(super) const PRIVATE_AFTER: Duration = Duration::from_secs(15);
 /// How long a refused peer stays connected: long enough to receive our identify.
 const REFUSE_GRACE: Duration = Duration::from_millis(500);
+/// A relay whose reservation failed or ended is tried again after this long.
+const RELAY_RETRY: Duration = Duration::from_secs(60);
 /// How often a private peer without a relay looks for one in the DHT.
 const RELAY_SEARCH: Duration = Duration::from_secs(10);
 
@@ -90,7 +92,11 @@ fn reserve(swarm: &mut Swarm<Behaviour>, st: &mut State) {
     let Some((relay, addr)) = st
         .relays
         .iter()
-        .find(|(p, _)| !st.relays_failed.contains(p))
+        .find(|(p, _)| {
+            st.relays_failed
+                .get(*p)
+                .is_none_or(|t| t.elapsed() >= RELAY_RETRY)
+        })
         .map(|(p, a)| (*p, a.clone()))
     else {
         return;
@@ -103,7 +109,7 @@ fn reserve(swarm: &mut Swarm<Behaviour>, st: &mut State) {
         }
         Err(e) => {
             tracing::warn!(target: "shoal::net", %relay, "cannot listen through the relay: {e}");
-            st.relays_failed.insert(relay);
+            st.relays_failed.insert(relay, Instant::now());
         }
     }
 }

@@ -51,8 +51,8 @@ pub(super) struct State {
     pub(super) relays: HashMap<PeerId, Multiaddr>,
     /// The reservation being made or held: (listener, relay).
     pub(super) reservation: Option<(ListenerId, PeerId)>,
-    /// Relays whose reservation failed (not tried again).
-    pub(super) relays_failed: HashSet<PeerId>,
+    /// Relays whose reservation failed or ended, and when (tried again a minute later).
+    pub(super) relays_failed: HashMap<PeerId, Instant>,
     pub(super) refused: HashMap<PeerId, String>,
     pub(super) last_relay_search: Option<Instant>,
     /// When another peer first told us the address it sees us at.
@@ -81,7 +81,7 @@ pub(crate) async fn run(
         events,
         relays: HashMap::new(),
         reservation: None,
-        relays_failed: HashSet::new(),
+        relays_failed: HashMap::new(),
         refused: HashMap::new(),
         last_relay_search: None,
         first_observed: None,
@@ -332,7 +332,7 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
                     tracing::warn!(target: "shoal::net", %relay, "the relay reservation ended: {reason:?}");
                     st.reservation = None;
                     st.status.relayed_addr = None;
-                    st.relays_failed.insert(relay);
+                    st.relays_failed.insert(relay, Instant::now());
                 }
             }
         }
