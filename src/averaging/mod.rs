@@ -354,6 +354,7 @@ impl Averager {
                 .with_log(Arc::clone(&log)),
         ));
         let stats = Arc::new(AvgStats::default());
+        let span = tracing::info_span!("averager", stage = service.stage());
         let (out_tx, out_rx) = mpsc::channel(send::OUTBOX);
         tokio::spawn(send::sender(client.clone(), service.stage(), out_rx));
         let (bulk_tx, bulk_rx) = mpsc::channel(send::BULK_OUTBOX);
@@ -396,7 +397,7 @@ impl Averager {
             left_lost: 0,
         };
         let (leave, leave_rx) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(st.run(rx, leave_rx));
+        let task = tokio::spawn(tracing::Instrument::instrument(st.run(rx, leave_rx), span));
         Self { task, stats, leave }
     }
 

@@ -240,7 +240,9 @@ impl Ctx {
             let sync_started = Instant::now();
             let (snap, report) = loop {
                 attempt += 1;
-                let got = match sync::download(&client, stage_idx, &donors, len, &mut rng).await {
+                let span = tracing::info_span!("state_download", stage = stage_idx, attempt);
+                let fetch = sync::download(&client, stage_idx, &donors, len, &mut rng);
+                let got = match tracing::Instrument::instrument(fetch, span).await {
                     Ok((snap, report)) => replica
                         .restore(&snap)
                         .map(|_| (snap, report))

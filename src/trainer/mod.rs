@@ -32,6 +32,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Semaphore};
+use tracing::Instrument;
 
 /// Knobs of a trainer loop.
 #[derive(Debug, Clone)]
@@ -257,10 +258,13 @@ async fn run(
         counter += 1;
         let mb = tag ^ counter;
         let ctx2 = Arc::clone(&ctx);
-        tokio::spawn(async move {
-            microbatch(&ctx2, mb, b).await;
-            drop(permit);
-        });
+        tokio::spawn(
+            async move {
+                microbatch(&ctx2, mb, b).await;
+                drop(permit);
+            }
+            .instrument(tracing::debug_span!("microbatch", id = mb)),
+        );
     }
     let _ = sem.acquire_many(ctx.cfg.concurrency.max(1) as u32).await;
     refresher.abort();
