@@ -11,14 +11,13 @@ within the time limit.
 """
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-from swarmlib import events, free_port
+from swarmlib import events, free_port, tiny_run
 
 SHOAL = os.environ.get("SHOAL", os.path.abspath("target/release/shoal"))
 LIMIT_S = float(os.environ.get("LIMIT_S", "120"))
@@ -31,11 +30,7 @@ def main():
         print(f"no {SHOAL}: cargo build --release first", file=sys.stderr)
         return 1
     w = tempfile.mkdtemp(prefix="shoal-first-step-")
-    cfg = open("configs/tiny.toml").read()
-    cfg = re.sub(r"(?m)^count = \d+", f"count = {stages}", cfg)
-    open(f"{w}/run-config.toml", "w").write(cfg)
-    subprocess.run([SHOAL, "run", "new", f"{w}/run-config.toml", "--out", f"{w}/run.toml"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tiny_run(SHOAL, w, count=stages)
     procs = []
     t0 = time.time()
 

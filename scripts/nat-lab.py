@@ -5,7 +5,6 @@ the home peers find it only through the DHT) and one replica per stage; a replic
 events."""
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from swarmlib import events, wait_for  # noqa: E402
+from swarmlib import events, tiny_run, wait_for  # noqa: E402
 
 SHOAL = os.environ["SHOAL"]
 P = os.environ.get("NS_PREFIX", "shl")
@@ -33,11 +32,7 @@ def home_args():
 
 def main():
     w = tempfile.mkdtemp(prefix="shoal-nat-lab-")
-    cfg = open("configs/tiny.toml").read()
-    cfg = re.sub(r"(?m)^steps = \d+", "steps = 100000000", cfg)
-    open(f"{w}/lab.toml", "w").write(cfg)
-    subprocess.run([SHOAL, "run", "new", f"{w}/lab.toml", "--out", f"{w}/run.toml"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tiny_run(SHOAL, w, steps=100000000)
     procs = {}
 
     def start(name, ns, args):

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from swarmlib import events, free_port, wait_for
+from swarmlib import events, free_port, tiny_run, wait_for
 
 SHOAL = os.environ.get("SHOAL", os.path.abspath("target/release/shoal"))
 CHURN_S = float(os.environ.get("CHURN_S", "120"))
@@ -50,11 +50,7 @@ def main():
         print(f"no {SHOAL}: cargo build --release first", file=sys.stderr)
         return 1
     w = tempfile.mkdtemp(prefix="shoal-soak-")
-    cfg = open("configs/tiny.toml").read()
-    cfg = re.sub(r"(?m)^steps = \d+", "steps = 100000000", cfg)
-    open(f"{w}/soak.toml", "w").write(cfg)
-    subprocess.run([SHOAL, "run", "new", f"{w}/soak.toml", "--out", f"{w}/run.toml"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = tiny_run(SHOAL, w, steps=100000000)
     stages = int(re.search(r"(?m)^count = (\d+)", cfg).group(1))
     procs = {}  # name -> (Popen, stage or None, started)
     boot = None

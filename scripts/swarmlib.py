@@ -1,8 +1,23 @@
 """Helpers shared by the scripts that start swarms of `shoal` processes (soak.py,
-first-step.py): free ports, and the JSON events a process writes with --events."""
+first-step.py, nat-lab.py): the tiny run's manifest, free ports, and the JSON events a
+process writes with --events."""
 import json
+import re
 import socket
+import subprocess
 import time
+
+
+def tiny_run(shoal, w, **keys):
+    """Writes configs/tiny.toml with each `key = value` line of `keys` replaced into `w`,
+    makes its manifest `w`/run.toml; returns the config's text."""
+    cfg = open("configs/tiny.toml").read()
+    for k, v in keys.items():
+        cfg = re.sub(rf"(?m)^{k} = \d+", f"{k} = {v}", cfg)
+    open(f"{w}/run-config.toml", "w").write(cfg)
+    subprocess.run([shoal, "run", "new", f"{w}/run-config.toml", "--out", f"{w}/run.toml"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return cfg
 
 
 def free_port():
