@@ -6,8 +6,7 @@
 
 use super::behaviour::{Behaviour, KAD_PROTOCOL};
 use super::reach::{self, NetEvent};
-use super::task::{emit, full_addr, one_line, Pending, State, IDENTIFY_WAIT};
-use super::NetError;
+use super::task::{answer_dials, emit, full_addr, one_line, Pending, State, IDENTIFY_WAIT};
 use libp2p::kad;
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::ConnectionId;
@@ -42,11 +41,7 @@ pub(super) fn on_tick(swarm: &mut Swarm<Behaviour>, st: &mut State) {
         .map(|(p, _)| *p)
         .collect();
     for p in late {
-        if let Some((_, replies)) = st.identifying.remove(&p) {
-            for r in replies {
-                let _ = r.send(Ok(p));
-            }
-        }
+        answer_dials(st, p, Ok(()));
     }
     let silent = st
         .first_observed
@@ -135,15 +130,7 @@ pub(super) fn on_identify(
     {
         tracing::warn!(target: "shoal::net", %peer, "refused: {reason}");
         st.status.refuse(peer, reason.clone());
-        st.refused.insert(peer, reason.clone());
-        if let Some((_, replies)) = st.identifying.remove(&peer) {
-            for r in replies {
-                let _ = r.send(Err(NetError::Refused {
-                    peer: peer.to_string(),
-                    reason: reason.clone(),
-                }));
-            }
-        }
+        answer_dials(st, peer, Err(reason.clone()));
         emit(
             st,
             NetEvent::Refused {
@@ -154,35 +141,27 @@ pub(super) fn on_identify(
         st.to_disconnect.push((peer, Instant::now()));
         return;
     }
-    if let Some((_, replies)) = st.identifying.remove(&peer) {
-        for r in replies {
-            let _ = r.send(Ok(peer));
-        }
-    }
+    answer_dials(st, peer, Ok(()));
     st.status.observed(&info.observed_addr);
     st.first_observed.get_or_insert_with(Instant::now);
     st.status.remotes.entry(peer.to_string()).or_default().agent = info.agent_version.clone();
+    // The address of this connection, unless it is relayed.
+    let direct = st
+        .conns
+        .get(&conn)
+        .filter(|c| !c.relayed)
+        .map(|c| c.addr.clone());
     if info.protocols.contains(&KAD_PROTOCOL) {
         // Only addresses on the host we see it connect from: a peer behind NAT lists
         // its LAN and loopback addresses, which nobody else could dial.
-        let seen = st
-            .conns
-            .get(&conn)
-            .filter(|c| !c.relayed)
-            .map(|c| c.addr.clone());
         for a in &info.listen_addrs {
-            if seen.as_ref().is_some_and(|s| same_host(a, s)) {
+            if direct.as_ref().is_some_and(|s| same_host(a, s)) {
                 swarm.behaviour_mut().kad.add_address(&peer, a.clone());
             }
         }
     }
     if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
-        // The address we reached it at (a direct connection) is one that works for us.
-        let direct = st
-            .conns
-            .get(&conn)
-            .filter(|c| !c.relayed)
-            .map(|c| c.addr.clone());
+        // The address we reached it at is one that works for us.
         if let Some(a) = direct {
             st.relays.insert(peer, a);
         }

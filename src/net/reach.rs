@@ -15,7 +15,7 @@
 //!   reason (both sides do the same), before any stage message could fail to decode.
 
 use libp2p::{Multiaddr, PeerId};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
 /// The DHT key relays provide, so that private peers find them.
@@ -121,6 +121,15 @@ impl NetStatus {
         false
     }
 
+    /// Why `peer` was refused, if it is among the latest refused.
+    pub(crate) fn refusal(&self, peer: &PeerId) -> Option<String> {
+        let p = peer.to_string();
+        self.refused
+            .iter()
+            .find(|(q, _)| q == &p)
+            .map(|(_, why)| why.clone())
+    }
+
     /// A peer was refused.
     pub(crate) fn refuse(&mut self, peer: PeerId, why: String) {
         let p = peer.to_string();
@@ -144,8 +153,10 @@ fn bounded_push<T>(v: &mut Vec<T>, x: T) {
     *v = q.into();
 }
 
-/// Something the network learned that a peer reports (see `swarm::events`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Something the network learned that a peer reports (see `swarm::events`), written in
+/// the events' JSON tagged by `"net"` (`"net": "hole_punch"`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "net", rename_all = "snake_case")]
 pub enum NetEvent {
     /// AutoNAT's verdict changed.
     Reachability {
@@ -173,6 +184,7 @@ pub enum NetEvent {
         /// Whether a direct connection was made.
         ok: bool,
         /// Why not, if it failed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
     /// A peer was refused.
@@ -182,6 +194,34 @@ pub enum NetEvent {
         /// Why.
         reason: String,
     },
+}
+
+impl std::fmt::Display for NetEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Reachability { public: true, addr } => {
+                write!(f, "reachable: a peer dialled {addr} back")
+            }
+            Self::Reachability {
+                public: false,
+                addr,
+            } => write!(
+                f,
+                "not reachable from outside (a dial-back to {addr} failed): looking for a relay"
+            ),
+            Self::RelayReserved { addr, .. } => write!(f, "reachable through a relay: {addr}"),
+            Self::Relayed { peer } => write!(f, "relayed connection with {peer}"),
+            Self::HolePunch { peer, ok: true, .. } => {
+                write!(f, "hole punch with {peer}: direct connection")
+            }
+            Self::HolePunch { peer, error, .. } => write!(
+                f,
+                "hole punch with {peer} failed ({}); staying relayed",
+                error.as_deref().unwrap_or("no reason")
+            ),
+            Self::Refused { peer, reason } => write!(f, "refused {peer}: {reason}"),
+        }
+    }
 }
 
 /// The `/p2p-circuit` listen address through `relay` reached at `addr`.

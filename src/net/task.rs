@@ -53,7 +53,6 @@ pub(super) struct State {
     pub(super) reservation: Option<(ListenerId, PeerId)>,
     /// Relays whose reservation failed or ended, and when (tried again a minute later).
     pub(super) relays_failed: HashMap<PeerId, Instant>,
-    pub(super) refused: HashMap<PeerId, String>,
     pub(super) last_relay_search: Option<Instant>,
     /// When another peer first told us the address it sees us at.
     pub(super) first_observed: Option<Instant>,
@@ -82,7 +81,6 @@ pub(crate) async fn run(
         relays: HashMap::new(),
         reservation: None,
         relays_failed: HashMap::new(),
-        refused: HashMap::new(),
         last_relay_search: None,
         first_observed: None,
         to_disconnect: Vec::new(),
@@ -113,6 +111,26 @@ pub(crate) async fn run(
 pub(super) fn emit(st: &State, e: NetEvent) {
     // No subscriber is fine: the status keeps the same facts.
     let _ = st.events.send(e);
+}
+
+fn refused(peer: PeerId, reason: String) -> NetError {
+    NetError::Refused {
+        peer: peer.to_string(),
+        reason,
+    }
+}
+
+/// Answers the dials waiting for `peer`'s identify: connected, or refused with a reason.
+pub(super) fn answer_dials(st: &mut State, peer: PeerId, outcome: Result<(), String>) {
+    let Some((_, replies)) = st.identifying.remove(&peer) else {
+        return;
+    };
+    for r in replies {
+        let _ = r.send(match &outcome {
+            Ok(()) => Ok(peer),
+            Err(reason) => Err(refused(peer, reason.clone())),
+        });
+    }
 }
 
 pub(super) fn full_addr(addr: &Multiaddr, local: PeerId) -> Multiaddr {
@@ -261,12 +279,9 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
         } => {
             let addr = endpoint.get_remote_address().clone();
             let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
-            if let Some(reason) = st.refused.get(&peer_id) {
+            if let Some(reason) = st.status.refusal(&peer_id) {
                 if let Some((_, reply)) = st.dials.remove(&connection_id) {
-                    let _ = reply.send(Err(NetError::Refused {
-                        peer: peer_id.to_string(),
-                        reason: reason.clone(),
-                    }));
+                    let _ = reply.send(Err(refused(peer_id, reason)));
                 }
                 let _ = swarm.disconnect_peer_id(peer_id);
                 return;
@@ -307,19 +322,11 @@ fn on_event(swarm: &mut Swarm<Behaviour>, st: &mut State, event: SwarmEvent<Beha
             st.conns.remove(&connection_id);
             if num_established == 0 {
                 st.status.remotes.remove(&peer_id.to_string());
-                if let Some((_, replies)) = st.identifying.remove(&peer_id) {
-                    let reason = st
-                        .refused
-                        .get(&peer_id)
-                        .cloned()
-                        .unwrap_or_else(|| "it closed the connection".into());
-                    for r in replies {
-                        let _ = r.send(Err(NetError::Refused {
-                            peer: peer_id.to_string(),
-                            reason: reason.clone(),
-                        }));
-                    }
-                }
+                let reason = st
+                    .status
+                    .refusal(&peer_id)
+                    .unwrap_or_else(|| "it closed the connection".into());
+                answer_dials(st, peer_id, Err(reason));
             }
         }
         SwarmEvent::ListenerClosed {

@@ -174,9 +174,9 @@ pub enum Event {
     /// What the network learned about reaching this peer, or about another peer: AutoNAT's
     /// verdict, a relay reservation, a relayed connection, a hole punch, a refused peer.
     Net {
-        /// What.
+        /// What (tagged by `"net"`: `{"event":"net","net":"hole_punch",...}`).
         #[serde(flatten)]
-        what: NetEventJson,
+        what: NetEvent,
     },
     /// Ctrl-C or SIGTERM: the peer stops gracefully.
     Stopping,
@@ -305,88 +305,6 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// A [`NetEvent`] as it is written in the events' JSON (`"net": "hole_punch"`, ...).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "net", rename_all = "snake_case")]
-pub enum NetEventJson {
-    /// AutoNAT's verdict changed.
-    Reachability {
-        /// Whether a dial-back succeeded.
-        public: bool,
-        /// The address tested.
-        addr: String,
-    },
-    /// A relay accepted our reservation.
-    RelayReserved {
-        /// The relay.
-        relay: String,
-        /// The relayed address.
-        addr: String,
-    },
-    /// A connection through a relay.
-    Relayed {
-        /// The remote peer.
-        peer: String,
-    },
-    /// A hole punch ended.
-    HolePunch {
-        /// The remote peer.
-        peer: String,
-        /// Whether it went direct.
-        ok: bool,
-        /// Why not.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        error: Option<String>,
-    },
-    /// A peer was refused.
-    Refused {
-        /// The remote peer.
-        peer: String,
-        /// Why.
-        reason: String,
-    },
-}
-
-impl From<NetEvent> for NetEventJson {
-    fn from(e: NetEvent) -> Self {
-        match e {
-            NetEvent::Reachability { public, addr } => Self::Reachability { public, addr },
-            NetEvent::RelayReserved { relay, addr } => Self::RelayReserved { relay, addr },
-            NetEvent::Relayed { peer } => Self::Relayed { peer },
-            NetEvent::HolePunch { peer, ok, error } => Self::HolePunch { peer, ok, error },
-            NetEvent::Refused { peer, reason } => Self::Refused { peer, reason },
-        }
-    }
-}
-
-impl std::fmt::Display for NetEventJson {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Reachability { public: true, addr } => {
-                write!(f, "reachable: a peer dialled {addr} back")
-            }
-            Self::Reachability {
-                public: false,
-                addr,
-            } => write!(
-                f,
-                "not reachable from outside (a dial-back to {addr} failed): looking for a relay"
-            ),
-            Self::RelayReserved { addr, .. } => write!(f, "reachable through a relay: {addr}"),
-            Self::Relayed { peer } => write!(f, "relayed connection with {peer}"),
-            Self::HolePunch { peer, ok: true, .. } => {
-                write!(f, "hole punch with {peer}: direct connection")
-            }
-            Self::HolePunch { peer, error, .. } => write!(
-                f,
-                "hole punch with {peer} failed ({}); staying relayed",
-                error.as_deref().unwrap_or("no reason")
-            ),
-            Self::Refused { peer, reason } => write!(f, "refused {peer}: {reason}"),
-        }
-    }
-}
-
 /// Reports what `net` learns as [`Event::Net`] until its network stops.
 pub fn forward_net_events(
     net: &crate::net::NetHandle,
@@ -396,7 +314,7 @@ pub fn forward_net_events(
     tokio::spawn(async move {
         loop {
             match rx.recv().await {
-                Ok(e) => emit(Event::Net { what: e.into() }),
+                Ok(what) => emit(Event::Net { what }),
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                     tracing::debug!(target: "shoal::net", "{n} network events not reported");
                 }
@@ -444,6 +362,13 @@ mod tests {
                 failed: BTreeMap::from([("timeout".to_string(), 4)]),
                 swapped: BTreeMap::new(),
             },
+            Event::Net {
+                what: NetEvent::HolePunch {
+                    peer: "p".into(),
+                    ok: false,
+                    error: Some("gave up".into()),
+                },
+            },
             Event::Stopped,
         ];
         for e in events {
@@ -462,6 +387,11 @@ mod tests {
         let ready: Event = serde_json::from_str(r#"{"event":"ready","peer":"12D3"}"#).unwrap();
         assert_eq!(ready.to_string(), "peer 12D3 ready; Ctrl-C to stop");
         assert!(serde_json::from_str::<Event>(r#"{"event":"nope"}"#).is_err());
+        // The NAT lab reads these keys.
+        let punch: Event =
+            serde_json::from_str(r#"{"event":"net","net":"hole_punch","peer":"p","ok":true}"#)
+                .unwrap();
+        assert_eq!(punch.to_string(), "hole punch with p: direct connection");
         // This process has a peak resident set on Linux, and it is not tiny.
         if cfg!(target_os = "linux") {
             assert!(peak_rss_bytes().unwrap() > 1 << 20);
