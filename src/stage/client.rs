@@ -4,6 +4,8 @@
 //! (a frame over its limit, a full queue) is heard at once instead of leaving the caller
 //! blocked on a write nobody reads.
 
+use super::exchange::{changes_nothing, FRESH_RETRIES};
+pub use super::exchange::{exchange, exchange_kept};
 use super::{tensor, STAGE_PROTOCOL};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
@@ -12,7 +14,6 @@ use crate::wire::msg::{
 };
 use crate::wire::{CodecSpec, Limits, WireError};
 use candle_core::{Device, Tensor};
-use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::PeerId;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -191,12 +192,28 @@ impl StageClient {
                 return r;
             }
         }
-        let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
-        let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
-        if let Some(b) = back {
-            self.keep(peer, b);
+        // libp2p-stream hands inbound streams to the server through a channel of one
+        // slot and drops a stream that arrives while the slot is taken (the peer sees
+        // "sending stopped by peer"): such a stream was never read, so a request that
+        // changes nothing is sent again on a new one.
+        let mut retries = if changes_nothing(req) {
+            FRESH_RETRIES
+        } else {
+            0
+        };
+        loop {
+            let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
+            let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
+            if let Some(b) = back {
+                self.keep(peer, b);
+            }
+            if retries == 0 || !matches!(r, Err(CallError::Io(_))) {
+                return r;
+            }
+            retries -= 1;
+            tracing::debug!(%peer, op = ?req.op, "stream dropped before an answer; sending again");
+            tokio::time::sleep(Duration::from_millis(50 * (FRESH_RETRIES - retries) as u64)).await;
         }
-        r
     }
 
     /// Bytes moved by this client and its clones.
@@ -501,87 +518,4 @@ fn finite_reply(d: tensor::Decoded, what: &str) -> Result<Tensor, CallError> {
             "{what} reply holds NaN or infinite values"
         )))
     }
-}
-
-/// Writes the request (once one of `sending`'s permits is free) and reads the response
-/// concurrently on one stream, without closing it: the stream is handed back when the
-/// answer was a success, for the next request (the server then waits for one on it).
-pub async fn exchange_kept(
-    stream: libp2p::Stream,
-    req: &Request,
-    frames: &[&[u8]],
-    limits: &Limits,
-    sending: &tokio::sync::Semaphore,
-) -> (
-    Result<(Response, Vec<Vec<u8>>), CallError>,
-    Option<libp2p::Stream>,
-) {
-    exchange_on(stream, req, frames, limits, Some(sending)).await
-}
-
-/// Writes the request and reads the response concurrently on one stream, closing the
-/// sending side after the request (a one-shot call).
-pub async fn exchange(
-    stream: libp2p::Stream,
-    req: &Request,
-    frames: &[&[u8]],
-    limits: &Limits,
-) -> Result<(Response, Vec<Vec<u8>>), CallError> {
-    exchange_on(stream, req, frames, limits, None).await.0
-}
-
-/// One request and its answer, read while the request is still being written (a replica
-/// may refuse before it has read everything). With `sending`, the write waits for one of
-/// its permits and the stream stays open, handed back after a successful answer; without,
-/// the sending side is closed after the request and nothing is handed back.
-async fn exchange_on(
-    stream: libp2p::Stream,
-    req: &Request,
-    frames: &[&[u8]],
-    limits: &Limits,
-    sending: Option<&tokio::sync::Semaphore>,
-) -> (
-    Result<(Response, Vec<Vec<u8>>), CallError>,
-    Option<libp2p::Stream>,
-) {
-    let (mut r, mut w) = stream.split();
-    let mut wrote = false;
-    let result = {
-        let write = async {
-            let _slot = match sending {
-                Some(s) => s.acquire().await.ok(),
-                None => None,
-            };
-            netio::write_message(&mut w, req, frames).await?;
-            if sending.is_none() {
-                w.close().await.map_err(IoError::from)?;
-            }
-            Ok::<_, IoError>(())
-        };
-        let read = netio::read_response(&mut r, limits);
-        tokio::pin!(write, read);
-        let mut write_err = None;
-        let mut writing = true;
-        loop {
-            tokio::select! {
-                res = &mut write, if writing => {
-                    writing = false;
-                    match res {
-                        Ok(()) => wrote = true,
-                        Err(e) => write_err = Some(e),
-                    }
-                }
-                res = &mut read => {
-                    break match (res, write_err) {
-                        (Ok(x), _) => Ok(x),
-                        (Err(_), Some(we)) => Err(CallError::from(we)),
-                        (Err(re), None) => Err(CallError::from(re)),
-                    };
-                }
-            }
-        }
-    };
-    let reusable = sending.is_some() && wrote && matches!(&result, Ok((h, _)) if h.error.is_none());
-    let back = if reusable { r.reunite(w).ok() } else { None };
-    (result, back)
 }

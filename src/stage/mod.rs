@@ -3,6 +3,7 @@
 //! - [`service`]: the stage protocol server: streams in, a bounded queue, one compute
 //!   thread that owns the candle stage, typed errors out.
 //! - [`client`]: calls a remote stage (forward, backward, info).
+//! - [`exchange`]: one request and its answer on a stream.
 //! - [`registry`]: the typed DHT operations (manifest, announcements, swarm view).
 //! - [`select`]: pure choice of the stage to serve and the bottleneck.
 //! - [`replica`]: the replica's training state (stage, optimizer, accumulator).
@@ -16,6 +17,7 @@
 
 pub mod accum;
 pub mod client;
+pub mod exchange;
 pub mod frozen;
 pub mod probe;
 pub mod registry;
