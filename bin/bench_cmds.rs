@@ -66,7 +66,8 @@ pub fn demo(
     };
     println!("shoal demo: a swarm of processes on 127.0.0.1 trains the built-in tiny model on the built-in Markov corpus");
     let rt = runtime()?;
-    let r = rt.block_on(swarm_demo::run(&cfg, &|l| println!("{l}")))?;
+    let bar = crate::progress::Bar::new(steps, "step");
+    let r = rt.block_on(swarm_demo::run(&cfg, &bar))?;
     let p = &r.progress;
     println!(
         "done: {} steps in {:.1} s, {:.1} samples/s; samples fed {} completed {} failed {}",
@@ -378,7 +379,7 @@ pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
     let mut rows: Vec<ConvergeRow> = Vec::new();
     for mode in &opts.modes {
         println!("running {mode}");
-        let row = rt.block_on(bc::run_mode(mode, &opts, &|l| println!("{l}")))?;
+        let row = rt.block_on(bc::run_mode(mode, &opts))?;
         println!("{}", row.line());
         rows.push(row);
     }

@@ -6,7 +6,6 @@ use clap::Subcommand;
 use shoal::config::{DataConfig, RunConfig};
 use shoal::data::prepare::{self, Progress};
 use shoal::data::tokenizer::{self, Tok};
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -57,7 +56,10 @@ pub fn tokenizer(which: TokenizerCommand) -> Result<ExitCode> {
         bytes as f64 / 1e6
     );
     let started = Instant::now();
-    let tok = tokenizer::train(&data, vocab, &out)?;
+    let bar = crate::progress::Bar::spinner("tokenizer", "counting pairs and merging");
+    let tok = tokenizer::train(&data, vocab, &out);
+    bar.clear();
+    let tok = tok?;
     println!(
         "wrote {}: {} tokens, hash {}, in {:.1} s",
         out.display(),
@@ -81,27 +83,25 @@ pub fn data(which: DataCommand) -> Result<ExitCode> {
         tok.vocab(),
         tok.hash()
     );
-    let tty = std::io::stderr().is_terminal();
-    let show = |p: &Progress| {
-        let line = format!(
-            "files {}/{}, {:.1} MB read, {} tokens, {:.1} MB/s",
-            p.files_done,
-            p.files,
-            p.bytes as f64 / 1e6,
-            p.tokens,
-            p.mb_per_s()
-        );
-        if tty {
-            eprint!("\r{line}   ");
-        } else {
-            eprintln!("{line}");
-        }
-    };
-    let meta = prepare::prepare(&tok, &data, &out, &mut |p| show(p))
-        .with_context(|| format!("preparing {}", out.display()))?;
-    if tty {
-        eprintln!();
-    }
+    let total: u64 = data
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum();
+    let bar = crate::progress::Bar::bytes(total, "read");
+    let meta = prepare::prepare(&tok, &data, &out, &mut |p: &Progress| {
+        bar.set(p.bytes, || {
+            format!(
+                "files {}/{}, {} tokens, {:.1} MB/s",
+                p.files_done,
+                p.files,
+                p.tokens,
+                p.mb_per_s()
+            )
+        })
+    })
+    .with_context(|| format!("preparing {}", out.display()))?;
+    bar.clear();
     println!(
         "wrote {}: {} training tokens in {} shard(s) ({}), {} held out; {}",
         out.display(),

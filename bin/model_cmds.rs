@@ -3,6 +3,7 @@
 
 use crate::args::{client_config, require_bootstrap, NetArgs};
 use crate::peer_cmd::runtime;
+use crate::progress::Bar;
 use anyhow::{bail, Result};
 use clap::Args;
 use shoal::data::tokenizer::Tok;
@@ -10,6 +11,7 @@ use shoal::model::export;
 use shoal::model::generate::{self, Sampling};
 use shoal::net;
 use shoal::swarm::peer::RunSource;
+use std::cell::RefCell;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -83,10 +85,34 @@ fn from_swarm(a: &ExportArgs, run: &str) -> Result<export::Exported> {
         let handle = net::start(cfg)?;
         shoal::swarm::peer::join(&handle, &bootstrap).await?;
         let m = crate::client_cmds::manifest_of(&handle, source).await?;
-        let e = shoal::swarm::export::from_swarm(&handle, &m, &out, |s, step, mb| {
+        let fetched = shoal::averaging::sync::Fetched::default();
+        let bar: RefCell<Option<(usize, Bar)>> = RefCell::new(None);
+        let work = shoal::swarm::export::from_swarm(&handle, &m, &out, &fetched, |s, step, mb| {
+            if let Some((_, b)) = bar.borrow_mut().take() {
+                b.clear();
+            }
             eprintln!("stage {s}: step {step}, {mb:.1} MB of state downloaded");
-        })
-        .await;
+        });
+        tokio::pin!(work);
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+        let e = loop {
+            tokio::select! {
+                r = &mut work => break r,
+                _ = tick.tick() => {
+                    let (s, bytes, total) = fetched.read();
+                    let mut slot = bar.borrow_mut();
+                    if total > 0 && bytes < total && slot.as_ref().is_none_or(|(at, _)| *at != s) {
+                        *slot = Some((s, Bar::bytes(total, &format!("stage {s}"))));
+                    }
+                    if let Some((_, b)) = slot.as_ref() {
+                        b.set(bytes, String::new);
+                    }
+                }
+            }
+        };
+        if let Some((_, b)) = bar.borrow_mut().take() {
+            b.clear();
+        }
         handle.shutdown().await;
         Ok(e?)
     })

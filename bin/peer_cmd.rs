@@ -4,6 +4,7 @@
 
 use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
 use crate::observe_cmd;
+use crate::progress::Bar;
 use anyhow::{Context, Result};
 use shoal::averaging::AvgStats;
 use shoal::stage::client::StageClient;
@@ -24,6 +25,8 @@ use std::time::{Duration, Instant};
 pub struct Out {
     json: Option<Arc<Mutex<Box<dyn Write + Send>>>>,
     human_to_stderr: bool,
+    /// The bar of the state download under way (`downloading` events), per stage.
+    download: Arc<Mutex<Option<(usize, Bar)>>>,
 }
 
 impl Out {
@@ -41,6 +44,7 @@ impl Out {
         Ok(Self {
             json: json.map(|w| Arc::new(Mutex::new(w))),
             human_to_stderr,
+            download: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -56,6 +60,32 @@ impl Out {
         if matches!(&e, Event::Reasons { failed, swapped } if failed.is_empty() && swapped.is_empty())
         {
             return;
+        }
+        {
+            let mut bar = self.download.lock().unwrap_or_else(|p| p.into_inner());
+            if let Event::Downloading {
+                stage,
+                bytes,
+                total,
+            } = e
+            {
+                if bar.as_ref().is_none_or(|(s, _)| *s != stage) {
+                    let b = Bar::bytes(total, &format!("stage {stage} state"));
+                    let b = if self.human_to_stderr {
+                        b.plain_on_stderr()
+                    } else {
+                        b
+                    };
+                    *bar = Some((stage, b));
+                }
+                if let Some((_, b)) = bar.as_ref() {
+                    b.set(bytes, String::new);
+                }
+                return;
+            }
+            if let Some((_, b)) = bar.take() {
+                b.clear();
+            }
         }
         if self.human_to_stderr {
             eprintln!("{e}");

@@ -12,16 +12,16 @@ mod logging;
 mod model_cmds;
 mod observe_cmd;
 mod peer_cmd;
+mod progress;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use shoal::config::RunConfig;
-use shoal::train::{LocalOptions, LocalReport, Progress};
+use shoal::train::{LocalOptions, LocalReport};
 use shoal::wire::CodecSpec;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
 #[derive(Parser)]
 #[command(
@@ -286,52 +286,6 @@ fn apply_common(cfg: &mut RunConfig, c: &CommonArgs) -> Result<LocalOptions> {
     })
 }
 
-/// Prints progress: a bar redrawn in place on a terminal, a line every ~5% otherwise.
-struct ProgressPrinter {
-    tty: bool,
-    every: u64,
-    started: Instant,
-}
-
-impl ProgressPrinter {
-    fn new(steps: u64) -> Self {
-        Self {
-            tty: std::io::stderr().is_terminal(),
-            every: (steps / 20).max(1),
-            started: Instant::now(),
-        }
-    }
-
-    fn show(&self, p: &Progress) {
-        if self.tty {
-            let width = 24;
-            let done = (p.step * width / p.steps.max(1)) as usize;
-            let eta =
-                self.started.elapsed().as_secs_f64() / p.step as f64 * (p.steps - p.step) as f64;
-            eprint!(
-                "\r[{}{}] step {}/{} loss {:.4} lr {:.2e} tok/s {:.0} eta {:.0}s ",
-                "#".repeat(done),
-                ".".repeat(width as usize - done),
-                p.step,
-                p.steps,
-                p.loss,
-                p.lr,
-                p.tokens_per_s,
-                eta
-            );
-            let _ = std::io::stderr().flush();
-            if p.step == p.steps {
-                eprintln!();
-            }
-        } else if p.step == 1 || p.step % self.every == 0 || p.step == p.steps {
-            println!(
-                "step {:>6}/{}  loss {:.4}  lr {:.2e}  tok/s {:.0}",
-                p.step, p.steps, p.loss, p.lr, p.tokens_per_s
-            );
-        }
-    }
-}
-
 fn summary(cfg: &RunConfig, r: &LocalReport) -> String {
     let mut s = format!(
         "done: {} steps in {:.1}s, train loss {:.4} (mean of last 20), eval loss {:.4}",
@@ -392,14 +346,20 @@ fn train(cfg: &RunConfig, opts: &LocalOptions, events: &mut LocalEvents) -> Resu
         "training {} stage(s) of a {}-layer d{} model locally for {steps} steps on {:?}, activations {}",
         cfg.stages.count, cfg.model.n_layers, cfg.model.d_model, opts.device, cfg.codecs.activations
     );
-    let printer = ProgressPrinter::new(steps);
+    let bar = progress::Bar::new(steps, "step");
     let report = shoal::train::train_local(cfg, opts, &mut |p| {
-        printer.show(p);
+        bar.set(p.step, || {
+            format!(
+                "loss {:.4}  lr {:.2e}  tok/s {:.0}",
+                p.loss, p.lr, p.tokens_per_s
+            )
+        });
         events.write(serde_json::json!({
             "event": "step", "step": p.step, "loss": p.loss, "lr": p.lr,
             "tokens_per_s": p.tokens_per_s,
         }));
     })?;
+    bar.finish();
     events.write(serde_json::json!({
         "event": "done", "steps": report.steps, "train_loss": report.tail_loss(20),
         "eval_loss": report.eval_loss, "tokens_per_s": report.tokens_per_s,
@@ -407,6 +367,24 @@ fn train(cfg: &RunConfig, opts: &LocalOptions, events: &mut LocalEvents) -> Resu
     }));
     println!("{}", summary(cfg, &report));
     Ok(report)
+}
+
+/// `shoal ... | head` closes stdout early: `println!` then panics. Exit as a Unix tool
+/// killed by SIGPIPE would (status 141), without a backtrace; other panics are unchanged.
+fn quiet_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -585,6 +563,7 @@ fn single_threaded_kernels(cli: &Cli) {
 }
 
 fn main() -> ExitCode {
+    quiet_broken_pipe();
     let cli = Cli::parse();
     logging::init(cli.quiet, cli.verbose, cli.log_format);
     single_threaded_kernels(&cli);

@@ -896,9 +896,10 @@ async fn every_replica_stopped_and_resumed_continues_at_its_step_and_hash() {
     // what the replicas hold: the same tensors as the export of the checkpoints they write
     // when they stop.
     let live = dir.path().join("live.safetensors");
-    let e = shoal::swarm::export::from_swarm(boot.net(), &m, &live, |_, _, _| {})
-        .await
-        .unwrap();
+    let e =
+        shoal::swarm::export::from_swarm(boot.net(), &m, &live, &Default::default(), |_, _, _| {})
+            .await
+            .unwrap();
     let steps: Vec<u64> = (0..2)
         .map(|i| back[i].service().unwrap().status().params_step)
         .collect();

@@ -141,14 +141,10 @@ fn target(cfg: &RunConfig) -> Result<f64, HarnessError> {
 }
 
 /// Runs one swarm mode; `out` receives progress lines.
-pub async fn run_mode(
-    mode: &str,
-    opts: &ConvergeOptions,
-    out: &(dyn Fn(String) + Sync),
-) -> Result<ConvergeRow, HarnessError> {
+pub async fn run_mode(mode: &str, opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
     let label = format!("converge-{mode}");
     let dir = in_scratch_dir(&label)?;
-    let r = run_in(mode, opts, &dir, out).await;
+    let r = run_in(mode, opts, &dir).await;
     super::bench_swarm::leave_scratch(&dir);
     r
 }
@@ -157,7 +153,6 @@ async fn run_in(
     mode: &str,
     opts: &ConvergeOptions,
     dir: &std::path::Path,
-    out: &(dyn Fn(String) + Sync),
 ) -> Result<ConvergeRow, HarnessError> {
     let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
     let (wait, bounded) = match mode {
@@ -213,7 +208,7 @@ async fn run_in(
     }
     let mut last = vec![Progress::default(); TRAINERS];
     let mut to_target = None;
-    let mut next_print = started;
+    let bar = crate::progress::Bar::new(opts.samples, "samples");
     while !trainers.iter_mut().all(Proc::exited) {
         if started.elapsed() > opts.timeout {
             return Err(err(&format!(
@@ -232,19 +227,17 @@ async fn run_in(
                 to_target = Some(started.elapsed().as_secs_f64());
             }
         }
-        if Instant::now() >= next_print {
-            next_print = Instant::now() + Duration::from_secs(10);
-            let p = Progress::sum(&last);
-            out(format!(
-                "  [{:>4.0}s] {mode}: step {:>4}  loss {:.4}  completed {}/{}",
+        let p = Progress::sum(&last);
+        bar.set(p.completed, || {
+            format!(
+                "[{:>4.0}s] {mode}: step {:>4}  loss {:.4}",
                 started.elapsed().as_secs_f64(),
                 p.step,
-                p.loss,
-                p.completed,
-                opts.samples
-            ));
-        }
+                p.loss
+            )
+        });
     }
+    bar.clear();
     super::demo::latest_progress(&mut trainers, &mut last);
     let seconds = started.elapsed().as_secs_f64();
     let total = Progress::sum(&last);

@@ -265,7 +265,7 @@ fn run_in(
     let mut warm_readings = Readings::new();
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
-    let mut next_print = started;
+    let bar = crate::progress::Bar::new((opts.warmup + seconds).ceil() as u64, "seconds");
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
@@ -295,25 +295,27 @@ fn run_in(
                     let name = format!("joiner{killed}");
                     let key = format!("{name}.key");
                     let args = replica_args(&m.id, &baddr, &spec, &key, "auto", in_flight);
-                    out(format!("churn: SIGKILLed {}, starting {name}", victim.name));
+                    bar.println(&format!(
+                        "churn: SIGKILLed {}, starting {name}",
+                        victim.name
+                    ));
                     let p = Proc::spawn(exe, dir, &name, &args)?;
                     peers.push((i, p));
                 }
             }
         }
-        if now >= next_print {
-            next_print = now + Duration::from_secs(5);
-            let s = Progress::sum(&last);
-            out(format!(
-                "  [{:>4.0}s] {}: completed {} failed {} wire {:.1} MB",
-                started.elapsed().as_secs_f64(),
+        let s = Progress::sum(&last);
+        bar.set(started.elapsed().as_secs(), || {
+            format!(
+                "{}: completed {} failed {} wire {:.1} MB",
                 setup.label,
                 s.completed,
                 s.failed,
                 s.wire as f64 / 1e6
-            ));
-        }
+            )
+        });
     }
+    bar.clear();
     drain(&mut trainers, &mut last, &mut why);
     read_counters(&mut peers, &mut latest, &mut first, &mut seen);
     let end_readings = latest.clone();

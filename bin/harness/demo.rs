@@ -10,6 +10,7 @@
 use super::{
     client, peer_args, replica_hashes, spawn_bootstrap, stop_all, trainer_args, HarnessError, Proc,
 };
+use crate::progress::Bar;
 use shoal::config::RunConfig;
 use shoal::data::TokenSource;
 use shoal::dht::Manifest;
@@ -76,22 +77,16 @@ pub fn demo_config(stages: usize, steps: u64) -> RunConfig {
 }
 
 /// Runs the demo; `out` receives every line to print.
-pub async fn run(
-    cfg: &DemoConfig,
-    out: &(dyn Fn(String) + Sync),
-) -> Result<DemoReport, HarnessError> {
+pub async fn run(cfg: &DemoConfig, bar: &Bar) -> Result<DemoReport, HarnessError> {
     let dir = std::env::temp_dir().join(format!("shoal-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| HarnessError::Process(e.to_string()))?;
-    let result = run_in(cfg, &dir, out).await;
+    let result = run_in(cfg, &dir, bar).await;
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-async fn run_in(
-    cfg: &DemoConfig,
-    dir: &Path,
-    out: &(dyn Fn(String) + Sync),
-) -> Result<DemoReport, HarnessError> {
+async fn run_in(cfg: &DemoConfig, dir: &Path, bar: &Bar) -> Result<DemoReport, HarnessError> {
+    let out = |line: String| bar.println(&line);
     let launched = Instant::now();
     let run_cfg = demo_config(cfg.stages, cfg.steps);
     let m = Manifest::from_config(&run_cfg).map_err(|e| HarnessError::Process(e.to_string()))?;
@@ -134,7 +129,8 @@ async fn run_in(
     let mut last: Vec<Progress> = vec![Progress::default(); cfg.trainers];
     let mut churned = !cfg.churn;
     let mut joiner: Option<Proc> = None;
-    let mut next_print = Instant::now();
+    let (mut next_tick, mut next_count) = (Instant::now(), Instant::now());
+    let mut counts: Vec<String> = Vec::new();
     let mut first_step_s = None;
     loop {
         latest_progress(&mut trainers, &mut last);
@@ -162,24 +158,27 @@ async fn run_in(
                 joiner = Some(j);
             }
         }
-        if Instant::now() >= next_print {
-            next_print = Instant::now() + Duration::from_secs(5);
+        if Instant::now() >= next_tick {
+            next_tick = Instant::now() + Duration::from_secs(1);
             let total = Progress::sum(&last);
             let secs = started.elapsed().as_secs_f64();
-            let per_stage = registry::read_run(&net, &m.id, m.config.stages.count)
-                .await
-                .unwrap_or_default();
-            let counts: Vec<String> = per_stage.iter().map(|v| v.len().to_string()).collect();
-            out(format!(
-                "[{secs:>5.0}s] step {:>4}/{}  loss {:.4}  samples/s {:>6.1}  wire {:.1} MB (x{:.2} smaller than f32)  peers per stage [{}]",
-                total.step,
-                cfg.steps,
-                total.loss,
-                total.completed as f64 / secs.max(1e-9),
-                total.wire as f64 / 1e6,
-                total.raw as f64 / (total.wire.max(1)) as f64,
-                counts.join(" ")
-            ));
+            if Instant::now() >= next_count {
+                next_count = Instant::now() + Duration::from_secs(5);
+                let per_stage = registry::read_run(&net, &m.id, m.config.stages.count)
+                    .await
+                    .unwrap_or_default();
+                counts = per_stage.iter().map(|v| v.len().to_string()).collect();
+            }
+            bar.set(total.step, || {
+                format!(
+                    "[{secs:>4.0}s] loss {:.4}  samples/s {:>6.1}  wire {:.1} MB (x{:.2} smaller than f32)  peers per stage [{}]",
+                    total.loss,
+                    total.completed as f64 / secs.max(1e-9),
+                    total.wire as f64 / 1e6,
+                    total.raw as f64 / (total.wire.max(1)) as f64,
+                    counts.join(" ")
+                )
+            });
         }
         if trainers.iter_mut().all(Proc::exited) {
             break;
@@ -187,6 +186,7 @@ async fn run_in(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     latest_progress(&mut trainers, &mut last);
+    bar.clear();
     let seconds = started.elapsed().as_secs_f64();
     // Let the last rounds settle before comparing replicas.
     tokio::time::sleep(Duration::from_secs(2)).await;

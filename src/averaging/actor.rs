@@ -365,7 +365,7 @@ impl State {
             }
         }
         let len = self.n * 3;
-        let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng).await;
+        let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng, None).await;
         if let Err(e) = &r {
             if let Ok(mut g) = self.stats.last_error.lock() {
                 *g = Some(e.to_string());

@@ -18,7 +18,7 @@ use crate::wire::msg::{StateInfo, HASH_PAGE};
 use futures::future::join_all;
 use libp2p::PeerId;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -136,6 +136,34 @@ async fn fetch_hashes(
     Err(SyncError::Corrupt(why.join("; ")))
 }
 
+/// How far a download is, for whoever shows progress: read while it runs.
+#[derive(Debug, Default)]
+pub struct Fetched {
+    /// The stage being downloaded.
+    pub stage: AtomicU64,
+    /// Bytes of state checked and in place.
+    pub bytes: AtomicU64,
+    /// Bytes of the whole state (0 until the donors' offer is known).
+    pub total: AtomicU64,
+}
+
+impl Fetched {
+    /// `(stage, bytes, total)` now.
+    pub fn read(&self) -> (usize, u64, u64) {
+        (
+            self.stage.load(Ordering::Relaxed) as usize,
+            self.bytes.load(Ordering::Relaxed),
+            self.total.load(Ordering::Relaxed),
+        )
+    }
+
+    fn start(&self, stage: usize, total: u64) {
+        self.stage.store(stage as u64, Ordering::Relaxed);
+        self.bytes.store(0, Ordering::Relaxed);
+        self.total.store(total, Ordering::Relaxed);
+    }
+}
+
 /// What the chunk workers share.
 struct Work<'a> {
     queue: Mutex<VecDeque<usize>>,
@@ -147,6 +175,7 @@ struct Work<'a> {
     /// Per donor: chunks it served.
     served: Vec<Mutex<usize>>,
     last_error: Mutex<String>,
+    fetched: Option<&'a Fetched>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -179,6 +208,9 @@ impl Work<'_> {
                 Ok(v) if v.len() == len && chunk_hash(&v) == self.hashes[i] => {
                     lock(&self.flat)[start..start + len].copy_from_slice(&v);
                     *lock(&self.served[k]) += 1;
+                    if let Some(f) = self.fetched {
+                        f.bytes.fetch_add(4 * len as u64, Ordering::Relaxed);
+                    }
                     failures = 0;
                 }
                 Ok(_) => {
@@ -200,13 +232,15 @@ impl Work<'_> {
     }
 }
 
-/// Downloads the newest agreed snapshot of `stage` from `candidates`.
+/// Downloads the newest agreed snapshot of `stage` from `candidates`, counting its
+/// progress in `fetched` when given.
 pub async fn download(
     client: &StageClient,
     stage: usize,
     candidates: &[PeerId],
     want_len: usize,
     rng: &mut Rng,
+    fetched: Option<&Fetched>,
 ) -> Result<(Snapshot, SyncReport), SyncError> {
     let started = std::time::Instant::now();
     let infos = join_all(
@@ -235,6 +269,9 @@ pub async fn download(
         return Err(SyncError::NoDonor(errors.join("; ")));
     };
     check_offer(&info, want_len)?;
+    if let Some(f) = fetched {
+        f.start(stage, 4 * want_len as u64);
+    }
     // Shuffle so concurrent joiners spread over the donors.
     for i in (1..donors.len()).rev() {
         donors.swap(i, rng.below(i as u64 + 1) as usize);
@@ -252,6 +289,7 @@ pub async fn download(
         banned: donors.iter().map(|_| AtomicBool::new(false)).collect(),
         served: donors.iter().map(|_| Mutex::new(0)).collect(),
         last_error: Mutex::new(String::new()),
+        fetched,
     };
     let mut done = 0;
     // A second pass over the donors still standing picks up chunks given back late.

@@ -50,6 +50,15 @@ pub enum Event {
         #[serde(default)]
         setup_s: f64,
     },
+    /// A state download is under way (reported every second while it runs).
+    Downloading {
+        /// The stage.
+        stage: usize,
+        /// Bytes checked and in place.
+        bytes: u64,
+        /// Bytes of the whole state.
+        total: u64,
+    },
     /// A stage's state was loaded from a checkpoint (`--resume`).
     Resumed {
         /// The stage.
@@ -203,6 +212,16 @@ impl std::fmt::Display for Event {
                 "synced stage {stage} at step {step} from {donors} donor(s), chunks {chunks_per_donor:?}, {:.1} MB in {seconds:.1} s ({setup_s:.1} s before the first chunk)",
                 *bytes as f64 / 1e6
             ),
+            Event::Downloading {
+                stage,
+                bytes,
+                total,
+            } => write!(
+                f,
+                "downloading stage {stage}'s state: {:.1} of {:.1} MB",
+                *bytes as f64 / 1e6,
+                *total as f64 / 1e6
+            ),
             Event::Resumed {
                 stage,
                 step,
@@ -338,6 +357,11 @@ mod tests {
                 addr: "/ip4/127.0.0.1/tcp/1/p2p/x".into(),
             },
             Event::Ready { peer: "p".into() },
+            Event::Downloading {
+                stage: 1,
+                bytes: 3 << 20,
+                total: 7 << 20,
+            },
             Event::Counters {
                 stage: 2,
                 counters: CounterSnapshot {

@@ -44,11 +44,13 @@ fn scratch_path(out: &Path, s: usize) -> PathBuf {
 }
 
 /// Downloads every stage of run `m` from the replicas serving it and writes `out`.
-/// `progress` hears about each stage as it is done (stage, step, MB downloaded).
+/// `fetched` counts the stage being downloaded as it goes; `progress` hears about each
+/// stage as it is done (stage, step, MB downloaded).
 pub async fn from_swarm(
     net: &NetHandle,
     m: &Manifest,
     out: &Path,
+    fetched: &sync::Fetched,
     mut progress: impl FnMut(usize, u64, f64),
 ) -> Result<Exported, PeerError> {
     let cfg = &m.config;
@@ -80,7 +82,8 @@ pub async fn from_swarm(
         let stage = Stage::new(cfg, s, &Device::Cpu)?;
         let mut replica = Replica::new(cfg, stage)?;
         let len = replica.snapshot_len();
-        let (snap, _) = sync::download(&client, s, &peers_of(anns), len, &mut rng).await?;
+        let (snap, _) =
+            sync::download(&client, s, &peers_of(anns), len, &mut rng, Some(fetched)).await?;
         // Checks the parameters against the hash the donors announced.
         replica.restore(&snap)?;
         let path = scratch_path(out, s);

@@ -241,8 +241,11 @@ impl Ctx {
             let (snap, report) = loop {
                 attempt += 1;
                 let span = tracing::info_span!("state_download", stage = stage_idx, attempt);
-                let fetch = sync::download(&client, stage_idx, &donors, len, &mut rng);
-                let got = match tracing::Instrument::instrument(fetch, span).await {
+                let fetched = sync::Fetched::default();
+                let fetch =
+                    sync::download(&client, stage_idx, &donors, len, &mut rng, Some(&fetched));
+                let fetch = tracing::Instrument::instrument(fetch, span);
+                let got = match self.with_progress(fetch, &fetched).await {
                     Ok((snap, report)) => replica
                         .restore(&snap)
                         .map(|_| (snap, report))
@@ -330,6 +333,27 @@ impl Ctx {
             samples_per_s,
             synced,
         })
+    }
+
+    /// Runs a state download, reporting how far it is every second (`downloading`).
+    async fn with_progress<T>(
+        &self,
+        fetch: impl std::future::Future<Output = T>,
+        fetched: &sync::Fetched,
+    ) -> T {
+        tokio::pin!(fetch);
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                r = &mut fetch => return r,
+                _ = tick.tick() => {
+                    let (stage, bytes, total) = fetched.read();
+                    if total > 0 {
+                        (self.emit)(Event::Downloading { stage, bytes, total });
+                    }
+                }
+            }
+        }
     }
 
     fn avg_config(&self, numel: usize) -> AveragerConfig {
