@@ -196,6 +196,14 @@ fn counters(service: Option<Arc<StageService>>, avg: Option<Arc<AvgStats>>) -> O
     })
 }
 
+/// The span every log line of a `shoal peer` or `shoal train` process is inside:
+/// `peer{id=…}` with the last characters of its peer id.
+fn process_span(kind: &'static str, cfg: &PeerConfig) -> tracing::Span {
+    let id = cfg.net.identity.public().to_peer_id().to_string();
+    let short = &id[id.len().saturating_sub(8)..];
+    tracing::info_span!("peer", kind, id = short)
+}
+
 /// `shoal peer`.
 pub fn peer(a: PeerArgs) -> Result<ExitCode> {
     let out = Out::new(&a.events)?;
@@ -207,46 +215,50 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
         });
     }
     let counters_every = (a.counters_ms > 0).then(|| Duration::from_millis(a.counters_ms));
+    let span = process_span("peer", &cfg);
     let rt = runtime()?;
-    rt.block_on(async move {
-        let (peer, trainers, _servers) = observe_cmd::start(cfg, &out, &a.observe).await?;
-        out.emit(Event::Ready {
-            peer: peer.net().local_peer_id().to_string(),
-        });
-        let report_every = Duration::from_secs(5);
-        let tick = counters_every.map_or(report_every, |c| c.min(report_every));
-        let started = Instant::now();
-        let mut reported = Instant::now();
-        let stop = shutdown_signal();
-        tokio::pin!(stop);
-        loop {
-            tokio::select! {
-                _ = &mut stop => break,
-                _ = tokio::time::sleep(tick) => {}
-            }
-            if counters_every.is_some() {
-                if let Some(e) = counters(peer.service(), peer.avg_stats()) {
-                    out.emit(e);
+    rt.block_on(tracing::Instrument::instrument(
+        async move {
+            let (peer, trainers, _servers) = observe_cmd::start(cfg, &out, &a.observe).await?;
+            out.emit(Event::Ready {
+                peer: peer.net().local_peer_id().to_string(),
+            });
+            let report_every = Duration::from_secs(5);
+            let tick = counters_every.map_or(report_every, |c| c.min(report_every));
+            let started = Instant::now();
+            let mut reported = Instant::now();
+            let stop = shutdown_signal();
+            tokio::pin!(stop);
+            loop {
+                tokio::select! {
+                    _ = &mut stop => break,
+                    _ = tokio::time::sleep(tick) => {}
+                }
+                if counters_every.is_some() {
+                    if let Some(e) = counters(peer.service(), peer.avg_stats()) {
+                        out.emit(e);
+                    }
+                }
+                if !trainers.stats.is_empty() && reported.elapsed() >= report_every {
+                    reported = Instant::now();
+                    out.emit(Event::Progress {
+                        progress: trainers.progress(),
+                        seconds: started.elapsed().as_secs_f64(),
+                    });
                 }
             }
-            if !trainers.stats.is_empty() && reported.elapsed() >= report_every {
-                reported = Instant::now();
-                out.emit(Event::Progress {
-                    progress: trainers.progress(),
-                    seconds: started.elapsed().as_secs_f64(),
-                });
+            out.emit(Event::Stopping);
+            let (service, avg) = (peer.service(), peer.avg_stats());
+            peer.stop().await?;
+            // The counters once more, with what stopping finished.
+            if let Some(e) = counters(service, avg) {
+                out.emit(e);
             }
-        }
-        out.emit(Event::Stopping);
-        let (service, avg) = (peer.service(), peer.avg_stats());
-        peer.stop().await?;
-        // The counters once more, with what stopping finished.
-        if let Some(e) = counters(service, avg) {
-            out.emit(e);
-        }
-        out.emit(Event::Stopped);
-        Ok::<_, anyhow::Error>(())
-    })?;
+            out.emit(Event::Stopped);
+            Ok::<_, anyhow::Error>(())
+        },
+        span,
+    ))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -255,33 +267,37 @@ pub fn train_swarm(a: SwarmTrainArgs) -> Result<ExitCode> {
     let cfg = trainer_config(&a)?;
     let out = Out::new(&a.events)?;
     let report = Duration::from_millis(a.report_ms.max(50));
+    let span = process_span("trainer", &cfg);
     let rt = runtime()?;
-    rt.block_on(async move {
-        let (peer, trainers, _servers) = observe_cmd::start(cfg, &out, &a.observe).await?;
-        let started = Instant::now();
-        let stop = shutdown_signal();
-        tokio::pin!(stop);
-        loop {
-            tokio::select! {
-                _ = &mut stop => break,
-                _ = tokio::time::sleep(report) => {}
+    rt.block_on(tracing::Instrument::instrument(
+        async move {
+            let (peer, trainers, _servers) = observe_cmd::start(cfg, &out, &a.observe).await?;
+            let started = Instant::now();
+            let stop = shutdown_signal();
+            tokio::pin!(stop);
+            loop {
+                tokio::select! {
+                    _ = &mut stop => break,
+                    _ = tokio::time::sleep(report) => {}
+                }
+                out.emit(Event::Progress {
+                    progress: trainers.progress(),
+                    seconds: started.elapsed().as_secs_f64(),
+                });
+                if peer.trainers().iter().all(|t| t.is_finished()) {
+                    break;
+                }
             }
-            out.emit(Event::Progress {
+            // The counters are shared with the trainers: read after stopping, the final totals
+            // count the microbatches that finished (or failed) while stopping.
+            peer.stop().await?;
+            out.emit(Event::Done {
                 progress: trainers.progress(),
-                seconds: started.elapsed().as_secs_f64(),
             });
-            if peer.trainers().iter().all(|t| t.is_finished()) {
-                break;
-            }
-        }
-        // The counters are shared with the trainers: read after stopping, the final totals
-        // count the microbatches that finished (or failed) while stopping.
-        peer.stop().await?;
-        out.emit(Event::Done {
-            progress: trainers.progress(),
-        });
-        out.emit(trainers.reasons());
-        Ok::<_, anyhow::Error>(())
-    })?;
+            out.emit(trainers.reasons());
+            Ok::<_, anyhow::Error>(())
+        },
+        span,
+    ))?;
     Ok(ExitCode::SUCCESS)
 }

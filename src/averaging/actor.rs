@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 /// A replica whose progress has not been heard for this long leaves the views.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
@@ -86,7 +87,10 @@ impl State {
             tokio::select! {
                 m = rx.recv() => match m {
                     Some(m) if self.guard.is_banned(&m.from, Instant::now()) => {}
-                    Some(m) if !self.left => self.on_message(m).await,
+                    Some(m) if !self.left => {
+                        let span = self.round_span();
+                        self.on_message(m).instrument(span).await;
+                    }
                     Some(_) => {}
                     None => return,
                 },
@@ -142,8 +146,16 @@ impl State {
                     }
                 }));
             }
-            self.tick().await;
+            let span = self.round_span();
+            self.tick().instrument(span).await;
         }
+    }
+
+    /// The running attempt's span (none between attempts).
+    fn round_span(&self) -> tracing::Span {
+        self.round
+            .as_ref()
+            .map_or_else(tracing::Span::none, |r| r.span.clone())
     }
 
     pub(super) fn status(&self) -> ReplicaStatus {

@@ -216,6 +216,13 @@ impl State {
             lost,
             deadline: Instant::now() + timeout,
             started: Instant::now(),
+            span: tracing::info_span!(
+                target: "shoal::averaging",
+                "round",
+                step,
+                attempt,
+                members = members.len()
+            ),
         });
         self.tally = Some(
             Tally::new(key, layout.clone(), index)

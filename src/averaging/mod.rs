@@ -356,16 +356,20 @@ impl Averager {
         let stats = Arc::new(AvgStats::default());
         let span = tracing::info_span!("averager", stage = service.stage());
         let (out_tx, out_rx) = mpsc::channel(send::OUTBOX);
-        tokio::spawn(send::sender(client.clone(), service.stage(), out_rx));
+        tokio::spawn(tracing::Instrument::in_current_span(send::sender(
+            client.clone(),
+            service.stage(),
+            out_rx,
+        )));
         let (bulk_tx, bulk_rx) = mpsc::channel(send::BULK_OUTBOX);
         let abandoned = send::Abandoned::default();
-        tokio::spawn(send::bulk_sender(
+        tokio::spawn(tracing::Instrument::in_current_span(send::bulk_sender(
             client.clone(),
             service.stage(),
             bulk_rx,
             abandoned.clone(),
             Arc::clone(&stats),
-        ));
+        )));
         let st = actor::State {
             me: client.local_peer_id(),
             stage: service.stage(),

@@ -58,6 +58,9 @@ pub struct Round {
     pub deadline: Instant,
     /// When this replica froze its gradients for it.
     pub started: Instant,
+    /// The attempt's tracing span (`round{step,attempt,members}`): what the averager logs
+    /// while the attempt runs is inside it.
+    pub span: tracing::Span,
 }
 
 impl Round {

@@ -199,12 +199,12 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
     let local = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(64);
     let (events, _) = tokio::sync::broadcast::channel(256);
-    tokio::spawn(task::run(
+    tokio::spawn(tracing::Instrument::in_current_span(task::run(
         swarm,
         rx,
         (cfg.relay_server, cfg.dht_server, cfg.wire),
         events.clone(),
-    ));
+    )));
     Ok(NetHandle {
         tx,
         control,

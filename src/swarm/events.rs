@@ -330,7 +330,7 @@ pub fn forward_net_events(
     emit: Observer,
 ) -> tokio::task::JoinHandle<()> {
     let mut rx = net.subscribe();
-    tokio::spawn(async move {
+    tokio::spawn(tracing::Instrument::in_current_span(async move {
         loop {
             match rx.recv().await {
                 Ok(what) => emit(Event::Net { what }),
@@ -340,7 +340,7 @@ pub fn forward_net_events(
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
             }
         }
-    })
+    }))
 }
 
 /// Receives a peer's events.

@@ -259,11 +259,11 @@ impl Peer {
             });
         }
         join(&net, &cfg.bootstrap).await?;
-        keepers.0.push(tokio::spawn(rejoin_loop(
-            net.clone(),
-            cfg.bootstrap.clone(),
-            cfg.rejoin_every,
-        )));
+        keepers
+            .0
+            .push(tokio::spawn(tracing::Instrument::in_current_span(
+                rejoin_loop(net.clone(), cfg.bootstrap.clone(), cfg.rejoin_every),
+            )));
         let manifest = match (from_file, &cfg.run) {
             (Some(m), _) => m,
             (None, RunSource::Id(id)) => {
@@ -276,7 +276,7 @@ impl Peer {
         // record expires with the announcement TTL.
         keepers.0.push({
             let (net, manifest, ttl) = (net.clone(), manifest.clone(), cfg.announce_ttl);
-            tokio::spawn(async move {
+            tokio::spawn(tracing::Instrument::in_current_span(async move {
                 let period = (ttl / 3).max(Duration::from_millis(200));
                 loop {
                     tokio::time::sleep(period).await;
@@ -284,7 +284,7 @@ impl Peer {
                         tracing::warn!(target: "shoal::peer", "cannot republish the manifest: {e}");
                     }
                 }
-            })
+            }))
         });
         emit(Event::Run {
             id: manifest.id.clone(),
@@ -349,13 +349,15 @@ impl Peer {
                     crate::dht::now_ms(),
                     &format!("{}/rebalance", net.local_peer_id()),
                 );
-                peer.rebalancer = Some(tokio::spawn(rebalance_loop(
-                    Arc::clone(&ctx),
-                    Arc::clone(&peer.slot),
-                    Arc::clone(&peer.moving),
-                    Arc::clone(&peer.moves),
-                    period,
-                    seed,
+                peer.rebalancer = Some(tokio::spawn(tracing::Instrument::in_current_span(
+                    rebalance_loop(
+                        Arc::clone(&ctx),
+                        Arc::clone(&peer.slot),
+                        Arc::clone(&peer.moving),
+                        Arc::clone(&peer.moves),
+                        period,
+                        seed,
+                    ),
                 )));
             }
         }

@@ -318,14 +318,14 @@ impl Ctx {
             )),
             _ => None,
         };
-        let refresher = tokio::spawn(async move {
+        let refresher = tokio::spawn(tracing::Instrument::in_current_span(async move {
             match periodic {
                 Some(p) => {
                     tokio::join!(refresh.run(), p);
                 }
                 None => refresh.run().await,
             }
-        });
+        }));
         Ok(Serving {
             service,
             averager,

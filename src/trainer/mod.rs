@@ -163,7 +163,9 @@ impl Trainer {
         let batch = m.config.training.batch_size;
         let seq = m.config.model.seq_len;
         let data_seed = m.config.training.data_seed;
-        let task = tokio::spawn(run(ctx, source, batch, seq, data_seed, stop_rx));
+        let task = tokio::spawn(tracing::Instrument::in_current_span(run(
+            ctx, source, batch, seq, data_seed, stop_rx,
+        )));
         Ok(Self {
             stats,
             client,
@@ -232,12 +234,12 @@ async fn run(
     refresh::refresh(&ctx).await;
     let refresher = {
         let ctx = Arc::clone(&ctx);
-        tokio::spawn(async move {
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
             loop {
                 tokio::time::sleep(ctx.cfg.refresh).await;
                 refresh::refresh(&ctx).await;
             }
-        })
+        }))
     };
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
     let sem = Arc::new(Semaphore::new(ctx.cfg.concurrency.max(1)));

@@ -243,11 +243,19 @@ impl StageService {
             .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
         let mut incoming = net.accept(STAGE_PROTOCOL)?;
         let accept_shared = Arc::clone(&shared);
-        let accept = tokio::spawn(async move {
-            while let Some((peer, stream)) = incoming.next().await {
-                tokio::spawn(conn::handle(Arc::clone(&accept_shared), peer, stream));
-            }
-        });
+        let span = tracing::info_span!("stage", index = stage);
+        let accept = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                while let Some((peer, stream)) = incoming.next().await {
+                    tokio::spawn(tracing::Instrument::in_current_span(conn::handle(
+                        Arc::clone(&accept_shared),
+                        peer,
+                        stream,
+                    )));
+                }
+            },
+            span,
+        ));
         Ok(Self {
             shared,
             accept: Mutex::new(Some(accept)),
