@@ -5,7 +5,7 @@ use crate::args::ObserveArgs;
 use crate::peer_cmd::{Out, Trainers};
 use anyhow::{Context, Result};
 use shoal::observe::http::{self, Pages, Server, State};
-use shoal::observe::{ReplicaView, Snapshot, Source};
+use shoal::observe::{CodecView, ReplicaView, Snapshot, Source};
 use shoal::swarm::events::{peak_rss_bytes, Event};
 use shoal::swarm::peer::{Peer, PeerConfig, PeerWatch};
 use std::net::SocketAddr;
@@ -16,6 +16,8 @@ use std::time::Instant;
 struct Parts {
     peer: String,
     run: String,
+    /// The run's codecs: (activations, gradients).
+    codecs: (String, String),
     watch: PeerWatch,
     trainers: Trainers,
     started: Instant,
@@ -69,6 +71,10 @@ impl Watch {
         let _ = self.parts.set(Parts {
             peer: peer.net().local_peer_id().to_string(),
             run: peer.manifest().id.clone(),
+            codecs: (
+                peer.manifest().config.codecs.activations.to_string(),
+                peer.manifest().config.codecs.gradients.to_string(),
+            ),
             watch: peer.watch(),
             trainers: trainers.clone(),
             started: Instant::now(),
@@ -144,14 +150,34 @@ fn snapshot(p: &Parts) -> Snapshot {
         }
     });
     let (failed, swapped) = p.trainers.reason_maps();
+    let trainer = (!p.trainers.stats.is_empty()).then(|| p.trainers.progress());
+    let mut compression = Vec::new();
+    if let Some(t) = &trainer {
+        compression.push(CodecView {
+            kind: "activations".into(),
+            codec: p.codecs.0.clone(),
+            raw: t.raw,
+            wire: t.wire,
+        });
+    }
+    if let Some(a) = replica.as_ref().and_then(|r| r.averaging.as_ref()) {
+        compression.push(CodecView {
+            kind: "gradients".into(),
+            codec: p.codecs.1.clone(),
+            raw: a.raw_sent,
+            wire: a.bytes_sent,
+        });
+    }
     Snapshot {
         peer: p.peer.clone(),
         run: p.run.clone(),
         seconds: p.started.elapsed().as_secs_f64(),
         replica,
-        trainer: (!p.trainers.stats.is_empty()).then(|| p.trainers.progress()),
+        trainer,
         failed,
         swapped,
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+        links: p.trainers.links(),
+        compression,
     }
 }

@@ -7,6 +7,7 @@ use crate::observe_cmd;
 use crate::progress::Bar;
 use anyhow::{Context, Result};
 use shoal::averaging::AvgStats;
+use shoal::observe::LinkView;
 use shoal::stage::client::StageClient;
 use shoal::stage::service::StageService;
 use shoal::swarm::events::{peak_rss_bytes, Event};
@@ -146,6 +147,26 @@ impl Trainers {
                 .collect(),
             clients: peer.trainers().iter().map(|t| t.client().clone()).collect(),
         }
+    }
+
+    /// Frame bytes per replica the trainers called, summed over the loops.
+    pub(crate) fn links(&self) -> Vec<LinkView> {
+        let mut by_peer: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        for c in &self.clients {
+            for (peer, sent, received) in c.counters().links() {
+                let e = by_peer.entry(peer.to_string()).or_default();
+                e.0 += sent;
+                e.1 += received;
+            }
+        }
+        by_peer
+            .into_iter()
+            .map(|(peer, (sent, received))| LinkView {
+                peer,
+                sent,
+                received,
+            })
+            .collect()
     }
 
     pub(crate) fn progress(&self) -> Progress {

@@ -53,7 +53,7 @@ for _ in $(seq 20); do
   dom=$(timeout 60 "$CHROME" --headless --no-sandbox --disable-gpu --virtual-time-budget=6000 --dump-dom "$URL" 2>/dev/null || true)
   boxes=$(grep -o 'class="replica [a-z]*"' <<<"$dom" | wc -l)
   points=$(grep -oE 'id="losschart"[^>]*data-points="[0-9]+"' <<<"$dom" | grep -oE '[0-9]+"$' | tr -d '"' || true)
-  if [ "$want" -ge 3 ] && [ "$boxes" -ge "$want" ] && [ "${points:-0}" -gt 1 ]; then ok=1; break; fi
+  if [ "$want" -ge 3 ] && [ "$boxes" -ge "$want" ] && [ "${points:-0}" -gt "${MIN_POINTS:-8}" ]; then ok=1; break; fi
 done
 [ -n "$ok" ] || { echo "dashboard-check: the page shows $boxes replica boxes of $want and ${points:-0} loss points" >&2; exit 1; }
 mkdir -p "$(dirname "$SHOT")"

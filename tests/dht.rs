@@ -26,6 +26,7 @@ fn ann(run: &str, peer: &str, now: u64) -> Announcement {
         issued_ms: now,
         expires_ms: now + 30_000,
         banned: Vec::new(),
+        uplink: 0,
     }
 }
 

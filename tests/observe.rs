@@ -234,4 +234,60 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
         std::thread::sleep(Duration::from_millis(500));
     };
     assert_eq!(seen, want);
+    // A trainer's dashboard: its links to both replicas with their bytes/s, and its
+    // activations' compression (int8: a little under 4x).
+    let tport = free_port();
+    let taddr = format!("127.0.0.1:{tport}");
+    let _t = spawn(
+        d,
+        &[
+            "train",
+            "--run",
+            "run.toml",
+            "--bootstrap",
+            &boot,
+            "--microbatches",
+            "4000",
+            "--dashboard",
+            &taddr,
+        ],
+        "trainer.log",
+    );
+    wait_log(d, "trainer.log", "dashboard at");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let v = loop {
+        let v: serde_json::Value = serde_json::from_str(&get(tport, "/api/status").1).unwrap();
+        let moving = v["link_rates"]
+            .as_array()
+            .is_some_and(|l| l.len() == 2 && l.iter().all(|r| r["out_per_s"].as_f64() > Some(0.0)));
+        if moving || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let mut linked: Vec<String> = v["link_rates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["peer"].as_str().unwrap().to_string())
+        .collect();
+    linked.sort();
+    let mut peers: Vec<String> = want.iter().map(|(_, p)| p.clone()).collect();
+    peers.sort();
+    assert_eq!(linked, peers, "{v}");
+    assert!(
+        v["link_rates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["out_per_s"].as_f64() > Some(0.0) && r["in_per_s"].as_f64() > Some(0.0)),
+        "{v}"
+    );
+    let links = v["self"]["links"].as_array().unwrap();
+    assert_eq!(links.len(), 2, "{v}");
+    let c = &v["self"]["compression"][0];
+    assert_eq!(c["kind"], "activations", "{v}");
+    assert_eq!(c["codec"], "int8", "{v}");
+    let ratio = c["raw"].as_f64().unwrap() / c["wire"].as_f64().unwrap();
+    assert!((3.0..4.0).contains(&ratio), "{v}");
 }

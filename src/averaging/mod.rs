@@ -226,6 +226,9 @@ pub struct AvgSnapshot {
     pub failed_attempts: u64,
     /// Part and reduced-part bytes sent.
     pub bytes_sent: u64,
+    /// The same values as f32.
+    #[serde(default)]
+    pub raw_sent: u64,
     /// State downloads after falling behind.
     pub resyncs: u64,
     /// Updates replayed to catch up.
@@ -271,6 +274,7 @@ impl AvgStats {
             rounds: g(&self.rounds),
             failed_attempts: g(&self.failed_attempts),
             bytes_sent: g(&self.bytes_sent),
+            raw_sent: g(&self.raw_bytes),
             resyncs: g(&self.resyncs),
             replays: g(&self.replays),
             rejected: g(&self.rejected),

@@ -78,6 +78,13 @@ pub struct Announcement {
     /// most [`MAX_BANNED`]. Trainers avoid a replica that half its stage mates banned.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub banned: Vec<BanNote>,
+    /// Its measured uplink for averaging parts, bytes/s (0 or absent: not measured yet).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub uplink: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A banned replica as an announcement names it.

@@ -55,6 +55,19 @@ pub struct State {
     history: Mutex<VecDeque<Point>>,
     swarm: Mutex<serde_json::Value>,
     events: Mutex<VecDeque<(f64, String)>>,
+    /// Bytes/s on each link of the trainers over the last sampling second.
+    link_rates: Mutex<Vec<LinkRate>>,
+}
+
+/// Bytes per second between this process's trainers and one replica.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkRate {
+    /// The replica.
+    pub peer: String,
+    /// Sent to it.
+    pub out_per_s: f64,
+    /// Received from it.
+    pub in_per_s: f64,
 }
 
 impl State {
@@ -69,6 +82,7 @@ impl State {
             history: Mutex::new(VecDeque::new()),
             swarm: Mutex::new(serde_json::Value::Null),
             events: Mutex::new(VecDeque::new()),
+            link_rates: Mutex::new(Vec::new()),
         })
     }
 
@@ -102,7 +116,13 @@ impl State {
             .lock()
             .map(|e| e.iter().cloned().collect())
             .unwrap_or_default();
-        serde_json::json!({ "self": snap, "swarm": swarm, "events": events }).to_string()
+        let links = self
+            .link_rates
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_default();
+        serde_json::json!({ "self": snap, "swarm": swarm, "events": events, "link_rates": links })
+            .to_string()
     }
 
     /// The `/api/history` document.
@@ -119,6 +139,25 @@ impl State {
         let now = self.started.elapsed().as_secs_f64();
         let s = (self.source)();
         let (done, wire) = totals(&s);
+        if let Some((t, prev)) = last.as_ref().filter(|(t, _)| now > *t) {
+            let dt = now - *t;
+            let rates = s
+                .links
+                .iter()
+                .map(|l| {
+                    let before = prev.links.iter().find(|p| p.peer == l.peer);
+                    let (s0, r0) = before.map_or((0, 0), |p| (p.sent, p.received));
+                    LinkRate {
+                        peer: l.peer.clone(),
+                        out_per_s: l.sent.saturating_sub(s0) as f64 / dt,
+                        in_per_s: l.received.saturating_sub(r0) as f64 / dt,
+                    }
+                })
+                .collect();
+            if let Ok(mut g) = self.link_rates.lock() {
+                *g = rates;
+            }
+        }
         let (rate, wire_rate) = match last {
             Some((t, prev)) if now > *t => {
                 let (d0, w0) = totals(prev);

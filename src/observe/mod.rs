@@ -42,6 +42,31 @@ pub struct ReplicaView {
     pub averaging: Option<AvgSnapshot>,
 }
 
+/// The bytes this process's trainers moved with one replica.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LinkView {
+    /// The replica's peer id.
+    pub peer: String,
+    /// Frame bytes sent to it.
+    pub sent: u64,
+    /// Frame bytes received from it.
+    pub received: u64,
+}
+
+/// Tensors this process sent or received in one codec: f32 bytes against wire bytes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CodecView {
+    /// What the codec carries: `activations` (the trainers' calls) or `gradients`
+    /// (this replica's averaging parts).
+    pub kind: String,
+    /// The codec, e.g. `int8` or `int8+zstd1`.
+    pub codec: String,
+    /// The tensors as f32.
+    pub raw: u64,
+    /// Their frames on the wire.
+    pub wire: u64,
+}
+
 /// Everything a process reports at one moment.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Snapshot {
@@ -61,7 +86,17 @@ pub struct Snapshot {
     pub swapped: BTreeMap<String, u64>,
     /// Peak resident memory, bytes (0 where unknown).
     pub peak_rss_bytes: u64,
+    /// The trainers' bytes per replica called.
+    #[serde(default)]
+    pub links: Vec<LinkView>,
+    /// Raw against wire bytes per codec.
+    #[serde(default)]
+    pub compression: Vec<CodecView>,
 }
+
+/// Link metrics name at most this many replicas (the busiest), so that a scrape stays
+/// small in a large swarm.
+pub const METRIC_LINKS: usize = 32;
 
 /// Reads a fresh snapshot.
 pub type Source = Arc<dyn Fn() -> Snapshot + Send + Sync>;
@@ -183,6 +218,39 @@ impl Collector for SnapshotCollector {
         if let Some(r) = &s.replica {
             encode_replica(&mut o, r)?;
         }
+        if !s.compression.is_empty() {
+            let rows: Vec<([(&'static str, &str); 3], u64)> = s
+                .compression
+                .iter()
+                .flat_map(|c| {
+                    [
+                        (
+                            [
+                                ("kind", c.kind.as_str()),
+                                ("codec", c.codec.as_str()),
+                                ("form", "raw"),
+                            ],
+                            c.raw,
+                        ),
+                        (
+                            [
+                                ("kind", c.kind.as_str()),
+                                ("codec", c.codec.as_str()),
+                                ("form", "wire"),
+                            ],
+                            c.wire,
+                        ),
+                    ]
+                })
+                .collect();
+            let rows: Vec<(&Labels<'_>, u64)> = rows.iter().map(|(l, v)| (&l[..], *v)).collect();
+            o.counters(
+                "codec_tensor",
+                "Tensor bytes by codec, as f32 (raw) and as sent (wire)",
+                Some(Unit::Bytes),
+                &rows,
+            )?;
+        }
         if let Some(t) = &s.trainer {
             o.gauge(
                 "trainer_step",
@@ -233,6 +301,7 @@ impl Collector for SnapshotCollector {
                 t.raw,
             )?;
             o.by_reason("trainer_failures", "Failed samples by reason", &s.failed)?;
+            encode_links(&mut o, &s.links)?;
             o.by_reason(
                 "trainer_swap_reasons",
                 "Swapped calls by reason",
@@ -241,6 +310,30 @@ impl Collector for SnapshotCollector {
         }
         Ok(())
     }
+}
+
+/// The busiest [`METRIC_LINKS`] links, by peer and direction.
+fn encode_links(o: &mut Out<'_, '_>, links: &[LinkView]) -> std::fmt::Result {
+    let mut busiest: Vec<&LinkView> = links.iter().collect();
+    busiest.sort_by_key(|l| std::cmp::Reverse(l.sent + l.received));
+    busiest.truncate(METRIC_LINKS);
+    let labels: Vec<[(&'static str, &str); 2]> = busiest
+        .iter()
+        .flat_map(|l| {
+            [
+                [("peer", l.peer.as_str()), ("direction", "out")],
+                [("peer", l.peer.as_str()), ("direction", "in")],
+            ]
+        })
+        .collect();
+    let values = busiest.iter().flat_map(|l| [l.sent, l.received]);
+    let rows: Vec<(&Labels<'_>, u64)> = labels.iter().map(|l| &l[..]).zip(values).collect();
+    o.counters(
+        "trainer_link",
+        "Frame bytes the trainers moved with each replica (the busiest 32)",
+        Some(Unit::Bytes),
+        &rows,
+    )
 }
 
 fn encode_replica(o: &mut Out<'_, '_>, r: &ReplicaView) -> std::fmt::Result {
@@ -417,6 +510,17 @@ mod tests {
                 ..Progress::default()
             }),
             failed: BTreeMap::from([("stage 1 timed out".to_string(), 16)]),
+            links: vec![LinkView {
+                peer: "r1".into(),
+                sent: 100,
+                received: 50,
+            }],
+            compression: vec![CodecView {
+                kind: "activations".into(),
+                codec: "int8".into(),
+                raw: 400,
+                wire: 104,
+            }],
             ..Snapshot::default()
         });
         let text = render(&registry(source));
@@ -431,6 +535,10 @@ mod tests {
             "shoal_trainer_loss 1.25",
             "shoal_trainer_samples_fed_total 64",
             "shoal_trainer_failures_total{reason=\"stage 1 timed out\"} 16",
+            "shoal_trainer_link_bytes_total{peer=\"r1\",direction=\"out\"} 100",
+            "shoal_trainer_link_bytes_total{peer=\"r1\",direction=\"in\"} 50",
+            "shoal_codec_tensor_bytes_total{kind=\"activations\",codec=\"int8\",form=\"raw\"} 400",
+            "shoal_codec_tensor_bytes_total{kind=\"activations\",codec=\"int8\",form=\"wire\"} 104",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }

@@ -83,9 +83,33 @@ pub struct ClientCounters {
     pub step: AtomicU64,
     /// Per replica, the queue it reported in its latest answer.
     queues: std::sync::Mutex<std::collections::HashMap<PeerId, u32>>,
+    /// Per replica called, frame bytes (sent, received); at most [`MAX_LINKS`] replicas.
+    links: std::sync::Mutex<std::collections::HashMap<PeerId, (u64, u64)>>,
 }
 
+/// Replicas whose bytes a client counts apiece (a run's replicas are far fewer; the bound
+/// is for a client that calls whatever the DHT offers).
+pub const MAX_LINKS: usize = 1024;
+
 impl ClientCounters {
+    /// Frame bytes (sent, received) per replica this client called.
+    pub fn links(&self) -> Vec<(PeerId, u64, u64)> {
+        self.links
+            .lock()
+            .map(|l| l.iter().map(|(p, (s, r))| (*p, *s, *r)).collect())
+            .unwrap_or_default()
+    }
+
+    fn count_link(&self, peer: PeerId, sent: u64, received: u64) {
+        if let Ok(mut l) = self.links.lock() {
+            if l.len() < MAX_LINKS || l.contains_key(&peer) {
+                let e = l.entry(peer).or_default();
+                e.0 += sent;
+                e.1 += received;
+            }
+        }
+    }
+
     /// The queue `peer` reported in its latest answer to this client, if it answered.
     pub fn last_queue(&self, peer: &PeerId) -> Option<u32> {
         self.queues.lock().ok()?.get(peer).copied()
@@ -288,6 +312,7 @@ impl StageClient {
         self.counters
             .received
             .fetch_add(got as u64, Ordering::Relaxed);
+        self.counters.count_link(peer, sent as u64, got as u64);
         self.counters.step.fetch_max(header.step, Ordering::Relaxed);
         if let Ok(mut q) = self.counters.queues.lock() {
             q.insert(peer, header.queue);

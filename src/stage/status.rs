@@ -18,6 +18,30 @@ pub struct StageView {
     pub total_samples_per_s: f64,
     /// The live replicas.
     pub replicas: Vec<Announcement>,
+    /// The replica with the slowest measured uplink for averaging (none measured yet:
+    /// none): the link a stage's rounds wait on.
+    pub slowest_link: Option<SlowLink>,
+}
+
+/// The slowest measured uplink of a stage.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SlowLink {
+    /// The replica.
+    pub peer: String,
+    /// Its uplink, bytes/s.
+    pub uplink: u64,
+}
+
+/// The replica of `replicas` with the slowest measured uplink.
+fn slowest(replicas: &[Announcement]) -> Option<SlowLink> {
+    replicas
+        .iter()
+        .filter(|a| a.uplink > 0)
+        .min_by_key(|a| a.uplink)
+        .map(|a| SlowLink {
+            peer: a.peer.clone(),
+            uplink: a.uplink,
+        })
 }
 
 /// One run in the status.
@@ -49,6 +73,7 @@ pub fn view(run: &str, stages: usize, anns: Vec<Announcement>) -> RunView {
             .map(|(replicas, l)| StageView {
                 stage: l.stage,
                 total_samples_per_s: l.total,
+                slowest_link: slowest(&replicas),
                 replicas,
             })
             .collect(),
@@ -103,8 +128,15 @@ pub fn render(runs: &[RunView]) -> String {
             } else {
                 ""
             };
+            let link = s.slowest_link.as_ref().map_or_else(String::new, |l| {
+                let short = &l.peer[l.peer.len().saturating_sub(6)..];
+                format!(
+                    ", slowest uplink {:.1} MB/s (…{short})",
+                    l.uplink as f64 / 1e6
+                )
+            });
             out.push_str(&format!(
-                "  stage {}: {} replicas, {:.1} samples/s{mark}\n",
+                "  stage {}: {} replicas, {:.1} samples/s{link}{mark}\n",
                 s.stage,
                 s.replicas.len(),
                 s.total_samples_per_s
@@ -133,15 +165,14 @@ mod tests {
     use super::*;
     use crate::dht::record::{BanNote, ANN_VERSION};
 
-    #[test]
-    fn the_table_names_the_peers_a_replica_banned_and_why() {
-        let ann = |peer: &str, banned: Vec<BanNote>| Announcement {
+    fn ann(peer: &str, stage: u32, banned: Vec<BanNote>, uplink: u64) -> Announcement {
+        Announcement {
             v: ANN_VERSION,
             run: "ab".repeat(16),
             peer: peer.into(),
             addrs: Vec::new(),
-            stage: 0,
-            stages: 1,
+            stage,
+            stages: 2,
             step: 4,
             samples_per_s: 10.0,
             device: "cpu".into(),
@@ -151,15 +182,20 @@ mod tests {
             issued_ms: 0,
             expires_ms: 1,
             banned,
-        };
+            uplink,
+        }
+    }
+
+    #[test]
+    fn the_table_names_the_peers_a_replica_banned_and_why() {
         let note = BanNote {
             peer: "bad".into(),
             reason: "part chunk 3: value 0 of the chunk is NaN".into(),
         };
         let v = view(
             &"ab".repeat(16),
-            1,
-            vec![ann("good", vec![note]), ann("bad", vec![])],
+            2,
+            vec![ann("good", 0, vec![note], 0), ann("bad", 0, vec![], 0)],
         );
         let text = render(&[v]);
         assert!(
@@ -167,5 +203,37 @@ mod tests {
             "{text}"
         );
         assert_eq!(text.matches("banned").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn each_stage_names_its_slowest_measured_uplink() {
+        let v = view(
+            &"ab".repeat(16),
+            2,
+            vec![
+                ann("fastpeer1", 0, vec![], 9_000_000),
+                ann("slowpeer2", 0, vec![], 1_500_000),
+                ann("unmeasured", 0, vec![], 0),
+                ann("alone3", 1, vec![], 0),
+            ],
+        );
+        assert_eq!(
+            v.stages[0].slowest_link,
+            Some(SlowLink {
+                peer: "slowpeer2".into(),
+                uplink: 1_500_000
+            })
+        );
+        assert_eq!(v.stages[1].slowest_link, None);
+        let text = render(&[v]);
+        assert!(
+            text.contains("stage 0: 3 replicas, 30.0 samples/s, slowest uplink 1.5 MB/s (…wpeer2)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("stage 1: 1 replicas, 10.0 samples/s\n")
+                || text.contains("stage 1: 1 replicas, 10.0 samples/s  <-"),
+            "{text}"
+        );
     }
 }

@@ -590,6 +590,7 @@ impl Refresh {
                     reason: b.reason.chars().take(100).collect(),
                 })
                 .collect(),
+            uplink: self.avg.uplink.load(std::sync::atomic::Ordering::Relaxed),
         };
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
