@@ -31,6 +31,10 @@ pub struct ObserveArgs {
     /// Serve the live dashboard at http://ADDR/ (and its JSON at /api/status, /api/history).
     #[arg(long, value_name = "ADDR")]
     pub dashboard: Option<std::net::SocketAddr>,
+    /// With --metrics or --dashboard and trainers here: measure the swarm's held-out loss
+    /// every SECS seconds (2 eval batches, forward only; 0: never).
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub eval_every: u64,
 }
 
 #[derive(Subcommand)]

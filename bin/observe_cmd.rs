@@ -9,8 +9,11 @@ use shoal::observe::{CodecView, ReplicaView, Snapshot, Source};
 use shoal::swarm::events::{peak_rss_bytes, Event};
 use shoal::swarm::peer::{Peer, PeerConfig, PeerWatch};
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Eval batches per `--eval-every` measurement.
+const EVAL_BATCHES: usize = 2;
 
 /// What the source reads once the peer runs.
 struct Parts {
@@ -21,6 +24,8 @@ struct Parts {
     watch: PeerWatch,
     trainers: Trainers,
     started: Instant,
+    /// The swarm's latest held-out loss (`--eval-every`).
+    eval: Arc<Mutex<Option<f64>>>,
 }
 
 /// The observers of one process (none without `--metrics`/`--dashboard`).
@@ -30,6 +35,7 @@ pub struct Watch {
     parts: Arc<OnceLock<Parts>>,
     metrics: Option<SocketAddr>,
     dashboard: Option<SocketAddr>,
+    eval_every: Option<Duration>,
 }
 
 impl Watch {
@@ -43,6 +49,7 @@ impl Watch {
             parts,
             metrics: a.metrics,
             dashboard: a.dashboard,
+            eval_every: (a.eval_every > 0).then(|| Duration::from_secs(a.eval_every)),
         }
     }
 
@@ -68,7 +75,26 @@ impl Watch {
         let Some(state) = &self.state else {
             return Ok(Vec::new());
         };
+        let eval = Arc::new(Mutex::new(None));
+        if let (Some(every), false) = (self.eval_every, trainers.stats.is_empty()) {
+            let (net, m, slot) = (
+                peer.net().clone(),
+                peer.manifest().clone(),
+                Arc::clone(&eval),
+            );
+            // Ends with the runtime; a failed measurement waits for the next one.
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    match shoal::stage::probe::evaluate(&net, &m, EVAL_BATCHES).await {
+                        Ok(l) => *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(l),
+                        Err(e) => tracing::debug!("eval for the dashboard failed: {e}"),
+                    }
+                }
+            });
+        }
         let _ = self.parts.set(Parts {
+            eval,
             peer: peer.net().local_peer_id().to_string(),
             run: peer.manifest().id.clone(),
             codecs: (
@@ -179,5 +205,6 @@ fn snapshot(p: &Parts) -> Snapshot {
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         links: p.trainers.links(),
         compression,
+        eval_loss: *p.eval.lock().unwrap_or_else(|e| e.into_inner()),
     }
 }

@@ -42,7 +42,7 @@ for n in b c; do
   "$SHOAL" peer --run "$W/run.toml" --bootstrap "$BOOT" --identity "$W/$n.key" --stage 1 \
     --trainers 0 >"$W/$n.log" 2>&1 & PIDS+=($!)
 done
-"$SHOAL" train --run "$W/run.toml" --bootstrap "$BOOT" --dashboard "127.0.0.1:$DASH" \
+"$SHOAL" train --run "$W/run.toml" --bootstrap "$BOOT" --dashboard "127.0.0.1:$DASH" --eval-every 3 \
   >"$W/trainer.log" 2>&1 & PIDS+=($!)
 URL="http://127.0.0.1:$DASH/"
 # The page polls every 2 s; give the swarm and the history a moment, then render.

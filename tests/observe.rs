@@ -250,6 +250,8 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
             "4000",
             "--dashboard",
             &taddr,
+            "--eval-every",
+            "2",
         ],
         "trainer.log",
     );
@@ -260,7 +262,7 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
         let moving = v["link_rates"]
             .as_array()
             .is_some_and(|l| l.len() == 2 && l.iter().all(|r| r["out_per_s"].as_f64() > Some(0.0)));
-        if moving || Instant::now() > deadline {
+        if (moving && v["self"]["eval_loss"].is_number()) || Instant::now() > deadline {
             break v;
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -290,4 +292,10 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
     assert_eq!(c["codec"], "int8", "{v}");
     let ratio = c["raw"].as_f64().unwrap() / c["wire"].as_f64().unwrap();
     assert!((3.0..4.0).contains(&ratio), "{v}");
+    // The swarm's held-out loss, measured by the trainer every 2 s: a cross-entropy over
+    // the tiny model's 16 tokens: between 0 and ln 16 ≈ 2.8 for anything trained, 10 at worst.
+    let eval = v["self"]["eval_loss"].as_f64().unwrap_or(f64::NAN);
+    assert!(eval > 0.0 && eval < 10.0, "{v}");
+    let text = get(tport, "/metrics").1;
+    assert!(text.contains("shoal_trainer_eval_loss "), "{text}");
 }

@@ -37,6 +37,8 @@ pub struct Point {
     pub step: u64,
     /// The trainers' recent loss (null when none).
     pub loss: Option<f64>,
+    /// The swarm's held-out loss, when a new measurement came since the last point.
+    pub eval_loss: Option<f64>,
     /// Samples per second completed by the trainers, or accumulated by the replica.
     pub samples_per_s: f64,
     /// Wire bytes per second of this process's tensors (trainers' frames, or the
@@ -185,7 +187,11 @@ impl State {
             if h.len() >= HISTORY {
                 h.pop_front();
             }
+            let eval_loss = s
+                .eval_loss
+                .filter(|e| last.as_ref().and_then(|(_, p)| p.eval_loss) != Some(*e));
             h.push_back(Point {
+                eval_loss,
                 t: now,
                 step,
                 loss,

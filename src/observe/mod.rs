@@ -92,6 +92,9 @@ pub struct Snapshot {
     /// Raw against wire bytes per codec.
     #[serde(default)]
     pub compression: Vec<CodecView>,
+    /// The swarm's latest held-out loss as this process measured it (`--eval-every`).
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
 }
 
 /// Link metrics name at most this many replicas (the busiest), so that a scrape stays
@@ -264,6 +267,14 @@ impl Collector for SnapshotCollector {
                 None,
                 t.loss,
             )?;
+            if let Some(e) = s.eval_loss {
+                o.gauge(
+                    "trainer_eval_loss",
+                    "The swarm's latest held-out loss (2 eval batches)",
+                    None,
+                    e,
+                )?;
+            }
             o.counter(
                 "trainer_samples_fed",
                 "Samples started by the trainers",
@@ -521,6 +532,7 @@ mod tests {
                 raw: 400,
                 wire: 104,
             }],
+            eval_loss: Some(1.5),
             ..Snapshot::default()
         });
         let text = render(&registry(source));
@@ -533,6 +545,7 @@ mod tests {
             "shoal_averaging_rounds_total 5",
             "shoal_queue_depth 3.0",
             "shoal_trainer_loss 1.25",
+            "shoal_trainer_eval_loss 1.5",
             "shoal_trainer_samples_fed_total 64",
             "shoal_trainer_failures_total{reason=\"stage 1 timed out\"} 16",
             "shoal_trainer_link_bytes_total{peer=\"r1\",direction=\"out\"} 100",
