@@ -206,5 +206,6 @@ fn snapshot(p: &Parts) -> Snapshot {
         links: p.trainers.links(),
         compression,
         eval_loss: *p.eval.lock().unwrap_or_else(|e| e.into_inner()),
+        stage_replicas: p.trainers.stage_replicas(),
     }
 }

@@ -169,6 +169,19 @@ impl Trainers {
             .collect()
     }
 
+    /// Replicas per stage at the latest refresh, the most any loop saw.
+    pub(crate) fn stage_replicas(&self) -> Vec<u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut out: Vec<u64> = Vec::new();
+        for s in &self.stats {
+            out.resize(out.len().max(s.stage_replicas.len()), 0);
+            for (o, n) in out.iter_mut().zip(&s.stage_replicas) {
+                *o = (*o).max(n.load(Relaxed));
+            }
+        }
+        out
+    }
+
     pub(crate) fn progress(&self) -> Progress {
         use std::sync::atomic::Ordering::Relaxed;
         let (mut wire, mut raw) = (0, 0);

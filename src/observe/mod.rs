@@ -95,6 +95,10 @@ pub struct Snapshot {
     /// The swarm's latest held-out loss as this process measured it (`--eval-every`).
     #[serde(default)]
     pub eval_loss: Option<f64>,
+    /// Replicas announced per stage, as the trainers here last read the DHT (empty
+    /// without trainers).
+    #[serde(default)]
+    pub stage_replicas: Vec<u64>,
 }
 
 /// Link metrics name at most this many replicas (the busiest), so that a scrape stays
@@ -313,6 +317,20 @@ impl Collector for SnapshotCollector {
             )?;
             o.by_reason("trainer_failures", "Failed samples by reason", &s.failed)?;
             encode_links(&mut o, &s.links)?;
+            if !s.stage_replicas.is_empty() {
+                let labels: Vec<String> =
+                    (0..s.stage_replicas.len()).map(|i| i.to_string()).collect();
+                let mut m = o.enc.encode_descriptor(
+                    "stage_replicas",
+                    "Replicas announced per stage, as the trainers last read the DHT",
+                    None,
+                    MetricType::Gauge,
+                )?;
+                for (l, v) in labels.iter().zip(&s.stage_replicas) {
+                    ConstGauge::new(*v as f64)
+                        .encode(m.encode_family(&[("stage", l.as_str())])?)?;
+                }
+            }
             o.by_reason(
                 "trainer_swap_reasons",
                 "Swapped calls by reason",
@@ -533,6 +551,7 @@ mod tests {
                 wire: 104,
             }],
             eval_loss: Some(1.5),
+            stage_replicas: vec![2, 3],
             ..Snapshot::default()
         });
         let text = render(&registry(source));
@@ -546,6 +565,7 @@ mod tests {
             "shoal_queue_depth 3.0",
             "shoal_trainer_loss 1.25",
             "shoal_trainer_eval_loss 1.5",
+            "shoal_stage_replicas{stage=\"1\"} 3.0",
             "shoal_trainer_samples_fed_total 64",
             "shoal_trainer_failures_total{reason=\"stage 1 timed out\"} 16",
             "shoal_trainer_link_bytes_total{peer=\"r1\",direction=\"out\"} 100",

@@ -25,6 +25,9 @@ pub(super) async fn refresh(ctx: &Ctx) {
         ) {
             seen.fetch_max(top, Ordering::Relaxed);
         }
+        if let Some(n) = ctx.stats.stage_replicas.get(s) {
+            n.store(anns.len() as u64, Ordering::Relaxed);
+        }
         let mut row = Vec::new();
         for a in &anns {
             // A replica half its stage mates (at least one) banned from their rounds sends

@@ -24,6 +24,8 @@ pub struct TrainerStats {
     pub step: AtomicU64,
     /// Per stage: the highest step its replicas reported.
     pub stage_steps: Vec<AtomicU64>,
+    /// Per stage: the replicas announced at the latest refresh (those the trainer uses).
+    pub stage_replicas: Vec<AtomicU64>,
     /// Calls repeated on another replica.
     pub swaps: AtomicU64,
     /// Why calls were repeated elsewhere: error kind → count.
@@ -48,6 +50,7 @@ impl TrainerStats {
             losses: Mutex::new(std::collections::VecDeque::new()),
             step: AtomicU64::new(0),
             stage_steps: (0..stages).map(|_| AtomicU64::new(0)).collect(),
+            stage_replicas: (0..stages).map(|_| AtomicU64::new(0)).collect(),
             swaps: AtomicU64::new(0),
             swap_reasons: Mutex::new(BTreeMap::new()),
         }
