@@ -296,8 +296,15 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
     // the tiny model's 16 tokens: between 0 and ln 16 ≈ 2.8 for anything trained, 10 at worst.
     let eval = v["self"]["eval_loss"].as_f64().unwrap_or(f64::NAN);
     assert!(eval > 0.0 && eval < 10.0, "{v}");
-    assert_eq!(v["self"]["stage_replicas"], serde_json::json!([1, 1]), "{v}");
+    assert_eq!(
+        v["self"]["stage_replicas"],
+        serde_json::json!([1, 1]),
+        "{v}"
+    );
     let text = get(tport, "/metrics").1;
     assert!(text.contains("shoal_trainer_eval_loss "), "{text}");
-    assert!(text.contains("shoal_stage_replicas{stage=\"1\"} 1"), "{text}");
+    assert!(
+        text.contains("shoal_stage_replicas{stage=\"1\"} 1"),
+        "{text}"
+    );
 }

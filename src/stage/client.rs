@@ -4,8 +4,8 @@
 //! (a frame over its limit, a full queue) is heard at once instead of leaving the caller
 //! blocked on a write nobody reads.
 
-use super::exchange::{changes_nothing, FRESH_RETRIES};
 pub use super::exchange::{exchange, exchange_kept};
+use super::exchange::{may_resend, FRESH_RETRIES};
 use super::{tensor, STAGE_PROTOCOL};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
@@ -217,14 +217,10 @@ impl StageClient {
             }
         }
         // libp2p-stream hands inbound streams to the server through a channel of one
-        // slot and drops a stream that arrives while the slot is taken (the peer sees
-        // "sending stopped by peer"): such a stream was never read, so a request that
-        // changes nothing is sent again on a new one.
-        let mut retries = if changes_nothing(req) {
-            FRESH_RETRIES
-        } else {
-            0
-        };
+        // slot and drops a stream that arrives while the slot is taken (the caller sees
+        // "sending stopped by peer" or a reset): a few per replica in a demo. Such a
+        // stream was never read, so a request that may arrive twice is sent again.
+        let mut retries = if may_resend(req) { FRESH_RETRIES } else { 0 };
         loop {
             let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
             let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;

@@ -24,17 +24,15 @@ pub async fn exchange_kept(
     exchange_on(stream, req, frames, limits, Some(sending)).await
 }
 
-/// How often a request that changes nothing is sent again when its fresh stream failed.
+/// How often a request that may be sent twice is sent again when its fresh stream failed.
 pub(super) const FRESH_RETRIES: u32 = 3;
 
-/// Whether `req` leaves the replica as it was (reads its state, or a probe's dry pass),
-/// so that sending it twice is harmless.
-pub(super) fn changes_nothing(req: &Request) -> bool {
-    req.dry
-        || matches!(
-            req.op,
-            Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate
-        )
+/// Whether `req` may reach the replica twice: everything but averaging messages. Reads
+/// and forwards change nothing a second one would repeat, and a replica accumulates a
+/// microbatch's backward once whatever it is sent (its id is admitted once); an averaging
+/// part sent twice is refused as a duplicate, and counted against its sender.
+pub(super) fn may_resend(req: &Request) -> bool {
+    !matches!(req.op, Op::Avg)
 }
 
 /// Writes the request and reads the response concurrently on one stream, closing the
