@@ -805,6 +805,73 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    let (m, path) = manifest_file(&dir, &cfg);
+    let d = cfg.model.d_model;
+    let hidden = {
+        let mut f = Vec::new();
+        let n = 2 * 8 * d;
+        shoal::wire::encode_f32(&[2, 8, d], &vec![0.5; n], &CodecSpec::F32, &mut f).unwrap();
+        f
+    };
+    let mut pc = peer_config(RunSource::File(path), vec![], StageChoice::Index(1));
+    // Room for two forward frames per caller, not three.
+    pc.service.max_bytes_per_peer = Some(hidden.len() as u64 * 5 / 2);
+    let p = start(pc).await.unwrap();
+    let pid = p.net().local_peer_id();
+    let addr = p.addrs()[0].clone();
+    let greedy = client(&addr, None).await;
+    let request = Request {
+        v: MSG_VERSION,
+        run: m.id.clone(),
+        stage: 1,
+        step: 0,
+        mb: 1,
+        op: Op::Forward,
+        tensors: 1,
+        avg: None,
+        chunk: None,
+        dry: false,
+    };
+    let mut bytes = shoal::wire::msg::encode_header(&request);
+    bytes.extend_from_slice(&(hidden.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&hidden);
+    // Two requests stall after their frame's header and half its payload: each holds a
+    // whole frame of the caller's budget.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut st = greedy.open_stream(pid, STAGE_PROTOCOL).await.unwrap();
+        st.write_all(&bytes[..bytes.len() - hidden.len() / 2])
+            .await
+            .unwrap();
+        st.flush().await.unwrap();
+        stalled.push(st);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let x = Tensor::randn(0f32, 1.0, (2, 8, d), &Device::Cpu).unwrap();
+    let sc = StageClient::new(greedy.clone(), m.id.clone(), CodecSpec::F32);
+    let e = sc.forward(pid, 1, 0, 2, &x).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::Overloaded), "{e}");
+    // Another caller is served meanwhile, and no strike is counted against the greedy one.
+    let other = client(&addr, None).await;
+    let sc2 = StageClient::new(other, m.id.clone(), CodecSpec::F32);
+    assert_eq!(
+        sc2.forward(pid, 1, 0, 3, &x).await.unwrap().dims(),
+        &[2, 8, d]
+    );
+    // Once its stalled requests are gone, the greedy caller is served again.
+    drop(stalled);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        sc.forward(pid, 1, 0, 4, &x).await.unwrap().dims(),
+        &[2, 8, d]
+    );
+    p.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_overloaded() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = three_stage(CodecSpec::F32);

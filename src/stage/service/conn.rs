@@ -13,17 +13,58 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A request read whole, or refused after its header (its frames unread).
+/// A request read whole (with the bytes it holds of its caller's budget), or refused
+/// after its header or a frame's header (the rest unread).
 enum Read {
-    Whole(Request, Vec<Vec<u8>>),
+    Whole(Request, Vec<Vec<u8>>, Held),
     Refused(Reply),
+}
+
+/// Frame bytes of one request counted against its caller's budget while it lives.
+struct Held {
+    shared: Arc<Shared>,
+    peer: PeerId,
+    bytes: u64,
+}
+
+impl Held {
+    /// Adds `bytes` if the caller's total stays within the budget.
+    fn take(&mut self, bytes: u64) -> bool {
+        let mut m = lock(&self.shared.held);
+        let total = m.entry(self.peer).or_default();
+        if total.saturating_add(bytes) > self.shared.peer_budget {
+            if *total == 0 {
+                m.remove(&self.peer);
+            }
+            return false;
+        }
+        *total += bytes;
+        self.bytes += bytes;
+        true
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        let mut m = lock(&self.shared.held);
+        if let Some(t) = m.get_mut(&self.peer) {
+            *t = t.saturating_sub(self.bytes);
+            if *t == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// Reads a request: its header, which is checked (run, stage, step, tensor count) before
 /// any frame is read; then each frame, whose header is checked against what the request
 /// kind carries in this run before its payload is read.
 async fn read_request(
-    shared: &Shared,
+    shared: &Arc<Shared>,
+    peer: PeerId,
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> Result<Read, IoError> {
@@ -34,16 +75,42 @@ async fn read_request(
     }
     let wants = shared.expect.wants(req.op);
     let mut frames = Vec::with_capacity(req.tensors as usize);
+    let mut held = Held {
+        shared: Arc::clone(shared),
+        peer,
+        bytes: 0,
+    };
     for i in 0..req.tensors as usize {
         let want = wants.get(i).copied();
-        let frame = netio::read_frame_checked(stream, &shared.cfg.limits, |h| match want {
-            Some(w) => shared.expect.check(w, h),
-            None => Err(format!("{:?} carries no tensor {i}", req.op)),
+        let mut over = false;
+        let frame = netio::read_frame_checked(stream, &shared.cfg.limits, |h| {
+            match want {
+                Some(w) => shared.expect.check(w, h)?,
+                None => return Err(format!("{:?} carries no tensor {i}", req.op)),
+            }
+            if !held.take(h.frame_len()) {
+                over = true;
+                return Err("over the caller's byte budget".into());
+            }
+            Ok(())
         })
-        .await?;
+        .await;
+        let frame = match frame {
+            Err(_) if over => {
+                return Ok(Read::Refused(refusal(
+                    shared,
+                    ErrorKind::Overloaded,
+                    format!(
+                        "your requests already hold {} MB here; wait for their answers",
+                        shared.peer_budget / 1_000_000
+                    ),
+                )))
+            }
+            f => f?,
+        };
         frames.push(frame);
     }
-    Ok(Read::Whole(req, frames))
+    Ok(Read::Whole(req, frames, held))
 }
 
 /// How long a caller may take to read its answer before the stream is dropped.
@@ -192,13 +259,16 @@ async fn serve_one(
         return false;
     };
     let t_read = Instant::now();
-    let read =
-        tokio::time::timeout(shared.cfg.read_timeout, read_request(shared, stream, len)).await;
+    let read = tokio::time::timeout(
+        shared.cfg.read_timeout,
+        read_request(shared, peer, stream, len),
+    )
+    .await;
     let read_us = t_read.elapsed().as_micros() as u64;
     // The permit bounds requests being read; once read, a call waits in the queue, whose
     // own cap bounds it.
     drop(permit);
-    let (req, frames) = match read {
+    let (req, frames, _held) = match read {
         Err(_) => {
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
@@ -230,7 +300,7 @@ async fn serve_one(
             respond(stream, &r).await;
             return false;
         }
-        Ok(Ok(Read::Whole(req, frames))) => (req, frames),
+        Ok(Ok(Read::Whole(req, frames, held))) => (req, frames, held),
     };
     let op = req.op;
     let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();

@@ -54,6 +54,10 @@ pub struct ServiceConfig {
     pub limits: Limits,
     /// How long a caller may take to send its request.
     pub read_timeout: Duration,
+    /// Frame bytes one caller's requests may hold here at once, from the first frame read
+    /// until the answer is written; a request over it is answered `overloaded` before its
+    /// next frame is read. `None`: 16 of the run's largest frames, at least 64 MiB.
+    pub max_bytes_per_peer: Option<u64>,
 }
 
 impl ServiceConfig {
@@ -68,9 +72,16 @@ impl Default for ServiceConfig {
             max_readers: 32,
             limits: Limits::default(),
             read_timeout: Duration::from_secs(30),
+            max_bytes_per_peer: None,
         }
     }
 }
+
+/// [`ServiceConfig::max_bytes_per_peer`]'s default: this many of the run's largest frames,
+/// and at least [`MIN_BYTES_PER_PEER`].
+pub const FRAMES_PER_PEER: u64 = 16;
+/// The least default byte budget of a caller.
+pub const MIN_BYTES_PER_PEER: u64 = 64 << 20;
 
 /// A successful answer of an [`Extension`]: what goes into the response besides the
 /// service's own fields (step, queue).
@@ -144,6 +155,10 @@ struct Shared {
     strikes: std::sync::atomic::AtomicU64,
     /// Streams open per caller.
     streams: Mutex<std::collections::HashMap<PeerId, usize>>,
+    /// Frame bytes held per caller ([`ServiceConfig::max_bytes_per_peer`]).
+    held: Mutex<std::collections::HashMap<PeerId, u64>>,
+    /// That budget, resolved.
+    peer_budget: u64,
 }
 
 impl Shared {
@@ -214,6 +229,9 @@ impl StageService {
         let run_limits = expect.limits();
         cfg.limits.max_elements = cfg.limits.max_elements.min(run_limits.max_elements);
         cfg.limits.max_bytes = cfg.limits.max_bytes.min(run_limits.max_bytes);
+        let peer_budget = cfg.max_bytes_per_peer.unwrap_or_else(|| {
+            (FRAMES_PER_PEER.saturating_mul(cfg.limits.max_bytes)).max(MIN_BYTES_PER_PEER)
+        });
         let shared = Arc::new(Shared {
             run: manifest.id.clone(),
             stage,
@@ -234,6 +252,8 @@ impl StageService {
             bans: Mutex::new(crate::averaging::guard::Guard::default()),
             strikes: std::sync::atomic::AtomicU64::new(0),
             streams: Mutex::new(std::collections::HashMap::new()),
+            held: Mutex::new(std::collections::HashMap::new()),
+            peer_budget,
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
