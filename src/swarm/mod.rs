@@ -3,10 +3,12 @@
 //!
 //! - [`peer`]: start-up (run, stage choice, trainers), stop, kill.
 //! - `join`: bootstrap dials with backoff, re-joining lost bootstrap peers.
-//! - `serving`: one stage served (build, sync, announce, leave) and the rebalancer.
+//! - `serving`: one stage served (build, sync, announce, leave) and the rebalancer;
+//!   `announce`: its announcement, refreshed in the DHT.
 //! - [`export`]: every stage's state from a live swarm into one model file.
 //! - [`events`]: what a peer reports, as typed values (the `--events` JSON-lines stream).
 
+mod announce;
 pub mod events;
 pub mod export;
 mod join;

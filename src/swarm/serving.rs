@@ -1,13 +1,14 @@
 //! A peer's stage while it serves it: build (and sync) the stage, serve and announce it,
 //! leave it gracefully, and the rebalancer that moves the peer to the weakest stage.
 
+use super::announce::Refresh;
 use super::events::{Event, Observer};
 use super::peer::{PeerConfig, PeerError};
 use crate::averaging::sync::{self, SyncReport};
 use crate::averaging::{Averager, AveragerConfig};
-use crate::dht::{self, Announcement, Manifest};
+use crate::dht::{Announcement, Manifest};
 use crate::model::Stage;
-use crate::net::{NetError, NetHandle};
+use crate::net::NetHandle;
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
 use crate::stage::registry;
@@ -544,70 +545,4 @@ async fn move_to(
         }
     };
     *slot_lock(slot) = serving;
-}
-
-pub(super) struct Refresh {
-    avg: Arc<crate::averaging::AvgStats>,
-    net: NetHandle,
-    service: Arc<StageService>,
-    manifest: Manifest,
-    device: String,
-    samples_per_s: f64,
-    ttl: Duration,
-    last: Arc<Mutex<Option<Announcement>>>,
-}
-
-impl Refresh {
-    async fn once(&self) -> Result<(), NetError> {
-        let addrs = self.net.listen_addrs().await?;
-        let now = dht::now_ms();
-        let ann = Announcement {
-            v: dht::record::ANN_VERSION,
-            run: self.manifest.id.clone(),
-            peer: self.net.local_peer_id().to_string(),
-            addrs: addrs
-                .iter()
-                .take(dht::record::MAX_ADDRS)
-                .map(|a| a.to_string())
-                .collect(),
-            stage: self.service.stage() as u32,
-            stages: self.manifest.config.stages.count as u32,
-            step: self.service.step(),
-            samples_per_s: self.samples_per_s,
-            device: self.device.clone(),
-            queue: self.service.queue_len(),
-            queue_cap: self.service.queue_cap(),
-            params_hash: self.service.params_hash().to_string(),
-            issued_ms: now,
-            expires_ms: now + self.ttl.as_millis() as u64,
-            banned: self
-                .avg
-                .banned_at(Instant::now())
-                .into_iter()
-                .take(dht::record::MAX_BANNED)
-                .map(|b| dht::record::BanNote {
-                    peer: b.peer,
-                    reason: b.reason.chars().take(100).collect(),
-                })
-                .collect(),
-            uplink: self.avg.uplink.load(std::sync::atomic::Ordering::Relaxed),
-        };
-        self.service
-            .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
-        registry::announce(&self.net, &ann, self.ttl).await?;
-        if let Ok(mut g) = self.last.lock() {
-            *g = Some(ann);
-        }
-        Ok(())
-    }
-
-    async fn run(self) {
-        let period = (self.ttl / 3).max(Duration::from_millis(200));
-        loop {
-            tokio::time::sleep(period).await;
-            if let Err(e) = self.once().await {
-                tracing::warn!(target: "shoal::peer", "cannot refresh the announcement: {e}");
-            }
-        }
-    }
 }
