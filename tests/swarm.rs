@@ -984,7 +984,10 @@ async fn robust_run(
                 (w[0].params_step, &w[0].params_hash) == (w[1].params_step, &w[1].params_hash)
             })
         {
-            assert!(st[0].params_step >= 15, "only {} steps", st[0].params_step);
+            // Not stalled at the tamper step (3). Trainers that never wait put whatever
+            // arrived during a round into the next step, so a loaded machine makes fewer,
+            // larger steps than the 30 of 64 samples fed (10 once in a full test run).
+            assert!(st[0].params_step >= 8, "only {} steps", st[0].params_step);
             break;
         }
         assert!(
