@@ -3,7 +3,7 @@
 
 use crate::args::{client_config, require_bootstrap, NetArgs};
 use crate::peer_cmd::runtime;
-use crate::progress::Bar;
+use crate::progress::DownloadBar;
 use anyhow::{bail, Result};
 use clap::Args;
 use shoal::data::tokenizer::Tok;
@@ -86,11 +86,9 @@ fn from_swarm(a: &ExportArgs, run: &str) -> Result<export::Exported> {
         shoal::swarm::peer::join(&handle, &bootstrap).await?;
         let m = crate::client_cmds::manifest_of(&handle, source).await?;
         let fetched = shoal::averaging::sync::Fetched::default();
-        let bar: RefCell<Option<(usize, Bar)>> = RefCell::new(None);
+        let bar = RefCell::new(DownloadBar::default());
         let work = shoal::swarm::export::from_swarm(&handle, &m, &out, &fetched, |s, step, mb| {
-            if let Some((_, b)) = bar.borrow_mut().take() {
-                b.clear();
-            }
+            bar.borrow_mut().clear();
             eprintln!("stage {s}: step {step}, {mb:.1} MB of state downloaded");
         });
         tokio::pin!(work);
@@ -100,19 +98,11 @@ fn from_swarm(a: &ExportArgs, run: &str) -> Result<export::Exported> {
                 r = &mut work => break r,
                 _ = tick.tick() => {
                     let (s, bytes, total) = fetched.read();
-                    let mut slot = bar.borrow_mut();
-                    if total > 0 && bytes < total && slot.as_ref().is_none_or(|(at, _)| *at != s) {
-                        *slot = Some((s, Bar::bytes(total, &format!("stage {s}"))));
-                    }
-                    if let Some((_, b)) = slot.as_ref() {
-                        b.set(bytes, String::new);
-                    }
+                    bar.borrow_mut().show(s, bytes, total);
                 }
             }
         };
-        if let Some((_, b)) = bar.borrow_mut().take() {
-            b.clear();
-        }
+        bar.borrow_mut().clear();
         handle.shutdown().await;
         Ok(e?)
     })

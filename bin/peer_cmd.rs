@@ -4,7 +4,7 @@
 
 use crate::args::{trainer_config, EventsArgs, PeerArgs, SwarmTrainArgs};
 use crate::observe_cmd;
-use crate::progress::Bar;
+use crate::progress::DownloadBar;
 use anyhow::{Context, Result};
 use shoal::averaging::AvgStats;
 use shoal::observe::LinkView;
@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 pub struct Out {
     json: Option<Arc<Mutex<Box<dyn Write + Send>>>>,
     human_to_stderr: bool,
-    /// The bar of the state download under way (`downloading` events), per stage.
-    download: Arc<Mutex<Option<(usize, Bar)>>>,
+    /// The bar of the state download under way (`downloading` events).
+    download: Arc<Mutex<DownloadBar>>,
 }
 
 impl Out {
@@ -45,7 +45,11 @@ impl Out {
         Ok(Self {
             json: json.map(|w| Arc::new(Mutex::new(w))),
             human_to_stderr,
-            download: Arc::new(Mutex::new(None)),
+            download: Arc::new(Mutex::new(if human_to_stderr {
+                DownloadBar::plain_on_stderr()
+            } else {
+                DownloadBar::default()
+            })),
         })
     }
 
@@ -70,23 +74,10 @@ impl Out {
                 total,
             } = e
             {
-                if bar.as_ref().is_none_or(|(s, _)| *s != stage) {
-                    let b = Bar::bytes(total, &format!("stage {stage} state"));
-                    let b = if self.human_to_stderr {
-                        b.plain_on_stderr()
-                    } else {
-                        b
-                    };
-                    *bar = Some((stage, b));
-                }
-                if let Some((_, b)) = bar.as_ref() {
-                    b.set(bytes, String::new);
-                }
+                bar.show(stage, bytes, total);
                 return;
             }
-            if let Some((_, b)) = bar.take() {
-                b.clear();
-            }
+            bar.clear();
         }
         if self.human_to_stderr {
             eprintln!("{e}");

@@ -166,6 +166,51 @@ impl Bar {
     }
 }
 
+/// The bar of the state download under way, one stage at a time (a peer's `downloading`
+/// events, `shoal export`'s stages): a new stage's download replaces the bar.
+#[derive(Default)]
+pub struct DownloadBar {
+    current: Option<(usize, Bar)>,
+    plain_stderr: bool,
+}
+
+impl DownloadBar {
+    /// Plain lines go to stderr, for processes whose stdout is a JSON stream.
+    pub fn plain_on_stderr() -> Self {
+        Self {
+            current: None,
+            plain_stderr: true,
+        }
+    }
+
+    /// Shows `bytes` of `total` downloaded for `stage`. A stage whose bar is not shown
+    /// gets one only while its download is unfinished.
+    pub fn show(&mut self, stage: usize, bytes: u64, total: u64) {
+        let shown = self.current.as_ref().is_some_and(|(s, _)| *s == stage);
+        if !shown && bytes < total {
+            let b = Bar::bytes(total, &format!("stage {stage} state"));
+            let b = if self.plain_stderr {
+                b.plain_on_stderr()
+            } else {
+                b
+            };
+            self.current = Some((stage, b));
+        }
+        if let Some((s, b)) = &self.current {
+            if *s == stage {
+                b.set(bytes, String::new);
+            }
+        }
+    }
+
+    /// Removes the bar, if one is shown.
+    pub fn clear(&mut self) {
+        if let Some((_, b)) = self.current.take() {
+            b.clear();
+        }
+    }
+}
+
 impl Drop for Bar {
     fn drop(&mut self) {
         if let Some(bar) = &self.bar {
@@ -196,5 +241,21 @@ mod tests {
         // Work that stalls still prints, every PLAIN_EVERY.
         assert!(!bar.plain_due(98, t + Duration::from_secs(1)));
         assert!(bar.plain_due(50, t + PLAIN_EVERY + Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_download_bar_follows_the_stage_and_a_finished_download_starts_none() {
+        let stage = |d: &DownloadBar| d.current.as_ref().map(|(s, _)| *s);
+        let mut d = DownloadBar::plain_on_stderr();
+        d.show(1, 0, 100);
+        assert_eq!(stage(&d), Some(1));
+        d.show(1, 100, 100);
+        assert_eq!(stage(&d), Some(1));
+        d.clear();
+        assert_eq!(stage(&d), None);
+        d.show(1, 100, 100);
+        assert_eq!(stage(&d), None);
+        d.show(2, 10, 100);
+        assert_eq!(stage(&d), Some(2));
     }
 }
