@@ -81,38 +81,50 @@ pub struct ClientCounters {
     pub raw: AtomicU64,
     /// The highest step any replica answered with.
     pub step: AtomicU64,
-    /// Per replica, the queue it reported in its latest answer.
-    queues: std::sync::Mutex<std::collections::HashMap<PeerId, u32>>,
-    /// Per replica called, frame bytes (sent, received); at most [`MAX_LINKS`] replicas.
-    links: std::sync::Mutex<std::collections::HashMap<PeerId, (u64, u64)>>,
+    /// Per replica called, what it last reported and the bytes moved with it; at most
+    /// [`MAX_LINKS`] replicas.
+    replicas: std::sync::Mutex<std::collections::HashMap<PeerId, PerReplica>>,
 }
 
-/// Replicas whose bytes a client counts apiece (a run's replicas are far fewer; the bound
-/// is for a client that calls whatever the DHT offers).
+/// What a client knows of one replica it called.
+#[derive(Debug, Default, Clone, Copy)]
+struct PerReplica {
+    /// The queue it reported in its latest answer.
+    queue: u32,
+    /// Frame bytes sent to it.
+    sent: u64,
+    /// Frame bytes received from it.
+    received: u64,
+}
+
+/// Replicas a client keeps counts of apiece (a run's replicas are far fewer; the bound is
+/// for a client that calls whatever the DHT offers).
 pub const MAX_LINKS: usize = 1024;
 
 impl ClientCounters {
     /// Frame bytes (sent, received) per replica this client called.
     pub fn links(&self) -> Vec<(PeerId, u64, u64)> {
-        self.links
+        self.replicas
             .lock()
-            .map(|l| l.iter().map(|(p, (s, r))| (*p, *s, *r)).collect())
+            .map(|m| m.iter().map(|(p, r)| (*p, r.sent, r.received)).collect())
             .unwrap_or_default()
     }
 
-    fn count_link(&self, peer: PeerId, sent: u64, received: u64) {
-        if let Ok(mut l) = self.links.lock() {
-            if l.len() < MAX_LINKS || l.contains_key(&peer) {
-                let e = l.entry(peer).or_default();
-                e.0 += sent;
-                e.1 += received;
+    /// Notes an answer of `peer` (its queue) and the bytes the call moved.
+    fn count_call(&self, peer: PeerId, queue: u32, sent: u64, received: u64) {
+        if let Ok(mut m) = self.replicas.lock() {
+            if m.len() < MAX_LINKS || m.contains_key(&peer) {
+                let r = m.entry(peer).or_default();
+                r.queue = queue;
+                r.sent += sent;
+                r.received += received;
             }
         }
     }
 
     /// The queue `peer` reported in its latest answer to this client, if it answered.
     pub fn last_queue(&self, peer: &PeerId) -> Option<u32> {
-        self.queues.lock().ok()?.get(peer).copied()
+        self.replicas.lock().ok()?.get(peer).map(|r| r.queue)
     }
 }
 
@@ -308,11 +320,9 @@ impl StageClient {
         self.counters
             .received
             .fetch_add(got as u64, Ordering::Relaxed);
-        self.counters.count_link(peer, sent as u64, got as u64);
         self.counters.step.fetch_max(header.step, Ordering::Relaxed);
-        if let Ok(mut q) = self.counters.queues.lock() {
-            q.insert(peer, header.queue);
-        }
+        self.counters
+            .count_call(peer, header.queue, sent as u64, got as u64);
         if let Some(e) = header.error {
             return Err(CallError::Remote {
                 kind: e.kind,
