@@ -333,6 +333,9 @@ pub struct ConvergeArgs {
     /// Every process's emulated link.
     #[arg(long, default_value = "bw=100mbit,rtt=50ms", value_name = "SPEC")]
     emulate_link: String,
+    /// Samples a step holds at least (the run's target batch).
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    target_batch: usize,
     /// Skip the `train --local` reference row.
     #[arg(long)]
     no_local: bool,
@@ -346,8 +349,8 @@ pub struct ConvergeArgs {
 
 /// `shoal bench converge`.
 pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
-    if a.samples == 0 || a.concurrency == 0 || a.timeout == 0 {
-        bail!("--samples, --concurrency and --timeout must be at least 1");
+    if a.samples == 0 || a.concurrency == 0 || a.timeout == 0 || a.target_batch == 0 {
+        bail!("--samples, --concurrency, --target-batch and --timeout must be at least 1");
     }
     let modes: Vec<String> = a.modes.split(',').map(|m| m.trim().to_string()).collect();
     if let Some(m) = modes.iter().find(|m| !bc::MODES.contains(&m.as_str())) {
@@ -363,8 +366,9 @@ pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
         link,
         local: !a.no_local,
         timeout: std::time::Duration::from_secs(a.timeout),
+        target_batch: a.target_batch,
     };
-    let cfg = bc::converge_config(a.samples);
+    let cfg = bc::converge_config(a.samples, a.target_batch);
     println!(
         "bench converge: tiny model, 2 stages x 2 replicas, 2 trainers (concurrency {}, {} microbatches of {} each), every process behind {}; steps of at least {} samples at lr {} after warm-up; target loss {}",
         a.concurrency,

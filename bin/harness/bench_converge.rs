@@ -65,6 +65,8 @@ pub struct ConvergeOptions {
     pub local: bool,
     /// Longest a mode may take before the benchmark gives up on it.
     pub timeout: Duration,
+    /// Samples a step holds at least (the run's target batch).
+    pub target_batch: usize,
 }
 
 /// One mode's figures.
@@ -86,6 +88,9 @@ pub struct ConvergeRow {
     pub seconds_to_target: Option<f64>,
     /// Whether every stage's replicas ended at one step and one parameter hash.
     pub identical: bool,
+    /// The training curve: (seconds, samples completed, recent training loss), about one
+    /// point a second.
+    pub curve: Vec<(f64, u64, f64)>,
 }
 
 impl ConvergeRow {
@@ -119,8 +124,9 @@ impl ConvergeRow {
 /// The run every mode trains: the demo's (tiny model, at least 32 samples a step) in 2
 /// stages, at a constant learning rate after warm-up, with room for as many steps as
 /// `samples` could make.
-pub fn converge_config(samples: u64) -> RunConfig {
+pub fn converge_config(samples: u64, target_batch: usize) -> RunConfig {
     let mut cfg = demo_config(STAGES, 1);
+    cfg.training.target_batch_size = Some(target_batch);
     cfg.training.steps = samples.div_ceil(cfg.target_batch_size() as u64).max(1);
     cfg.optimizer.min_lr_ratio = 1.0;
     cfg
@@ -161,7 +167,7 @@ async fn run_in(
         "no-sync" => (false, false),
         other => return Err(err(&format!("unknown mode {other:?}"))),
     };
-    let cfg = converge_config(opts.samples);
+    let cfg = converge_config(opts.samples, opts.target_batch);
     let target = target(&cfg)?;
     let m = Manifest::from_config(&cfg).map_err(|e| err(&e))?;
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
@@ -208,6 +214,7 @@ async fn run_in(
     }
     let mut last = vec![Progress::default(); TRAINERS];
     let mut to_target = None;
+    let mut curve: Vec<(f64, u64, f64)> = Vec::new();
     let bar = crate::progress::Bar::new(opts.samples, "samples");
     while !trainers.iter_mut().all(Proc::exited) {
         if started.elapsed() > opts.timeout {
@@ -228,6 +235,11 @@ async fn run_in(
             }
         }
         let p = Progress::sum(&last);
+        let t = started.elapsed().as_secs_f64();
+        if reported && curve.last().is_none_or(|c| t - c.0 >= 1.0) {
+            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+            curve.push((t, p.completed, mean));
+        }
         bar.set(p.completed, || {
             format!(
                 "[{:>4.0}s] {mode}: step {:>4}  loss {:.4}",
@@ -264,16 +276,20 @@ async fn run_in(
         eval_loss,
         seconds_to_target: to_target,
         identical,
+        curve,
     })
 }
 
 /// The reference: `train --local` on the same run, in this process.
 pub fn run_local(opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
-    let cfg = converge_config(opts.samples);
+    let cfg = converge_config(opts.samples, opts.target_batch);
     let target = target(&cfg)?;
     let started = Instant::now();
     let mut recent = std::collections::VecDeque::new();
     let mut to_target = None;
+    let mut curve: Vec<(f64, u64, f64)> = Vec::new();
+    let batch = cfg.target_batch_size() as u64;
+    let mut done = 0u64;
     let lo = shoal::train::LocalOptions {
         steps: Some(cfg.training.steps),
         eval_batches: EVAL_BATCHES,
@@ -285,8 +301,13 @@ pub fn run_local(opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
             recent.pop_front();
         }
         let mean = recent.iter().sum::<f64>() / recent.len() as f64;
+        let t = started.elapsed().as_secs_f64();
         if to_target.is_none() && recent.len() == LOCAL_WINDOW && mean <= target {
-            to_target = Some(started.elapsed().as_secs_f64());
+            to_target = Some(t);
+        }
+        done += batch;
+        if curve.last().is_none_or(|c| t - c.0 >= 1.0) {
+            curve.push((t, done, mean));
         }
     })
     .map_err(|e| HarnessError::Process(format!("train --local: {e}")))?;
@@ -300,5 +321,6 @@ pub fn run_local(opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
         eval_loss: report.eval_loss,
         seconds_to_target: to_target,
         identical: true,
+        curve,
     })
 }

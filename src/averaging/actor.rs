@@ -27,6 +27,9 @@ use tracing::Instrument;
 /// A replica whose progress has not been heard for this long leaves the views.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
 
+/// A `Members` message held for the next step: step, attempt, members, samples lost.
+pub(super) type NextMembers = (u64, u32, Vec<PeerId>, u64);
+
 pub(super) struct State {
     /// This replica announced that it leaves.
     pub(super) left: bool,
@@ -59,9 +62,13 @@ pub(super) struct State {
     pub(super) tally: Option<Tally>,
     /// The sum this replica froze for its running round.
     pub(super) frozen: Option<Frozen>,
-    /// Parts of this step that came before their round's `Members` (they keep their
-    /// share of the inbox's byte budget while they wait).
+    /// Parts of this step (or the next) that came before their round's `Members` (they
+    /// keep their share of the inbox's byte budget while they wait).
     pub(super) early: Vec<Inbound>,
+    /// A round of the next step whose `Members` came while this replica was still
+    /// finishing its step (the leader got its reduced chunks first): joined once this
+    /// replica applied its step, instead of ignored (which cost the attempt's timeout).
+    pub(super) next_members: Option<NextMembers>,
     pub(super) last_sent: Option<(u64, u64, u64, u64, String)>,
     pub(super) last_sent_at: Instant,
     pub(super) timers: plan::Timers,
@@ -288,6 +295,15 @@ impl State {
         let st = self.status();
         self.step.store(st.params_step, Ordering::Relaxed);
         self.heartbeat(&st);
+        // Members of the next step that came early: join now that this replica is there.
+        match self.next_members.take() {
+            Some((step, attempt, members, lost)) if step == st.params_step => {
+                self.on_members(step, attempt, members, lost).await;
+                return;
+            }
+            Some(m) if m.0 > st.params_step => self.next_members = Some(m),
+            _ => {}
+        }
         // Abandon a round past its deadline (frozen sums stay for the next attempt).
         if let Some(r) = &self.round {
             if Instant::now() > r.deadline {
@@ -373,6 +389,7 @@ impl State {
                 self.service.refresh_status().await;
                 self.end_round(false);
                 self.early.clear();
+                self.next_members = None;
                 return;
             }
         }
@@ -401,6 +418,7 @@ impl State {
                 self.service.refresh_status().await;
                 self.end_round(false);
                 self.early.clear();
+                self.next_members = None;
             }
         }
     }

@@ -26,7 +26,9 @@ impl State {
             _ => return,
         };
         if self.tally.as_ref().map(Tally::key) != Some(key) {
-            if key.0 == self.status().params_step {
+            // This step's or, while this replica finishes its step, the next one's.
+            let now = self.status().params_step;
+            if key.0 == now || key.0 == now + 1 {
                 self.early.push(m);
             }
             return;
@@ -164,7 +166,18 @@ impl State {
         members: Vec<PeerId>,
         lost: u64,
     ) {
-        let st = self.status();
+        let mut st = self.status();
+        if step == st.params_step + 1 {
+            // The status may lag an update applied just now.
+            st = self.service.refresh_status().await;
+        }
+        if step == st.params_step + 1 && members.contains(&self.me) {
+            // Still finishing this step (its last reduced chunks are on the way):
+            // joined once it is applied.
+            self.debug(|| format!("holding members {step}/{attempt} until step {step}"));
+            self.next_members = Some((step, attempt, members, lost));
+            return;
+        }
         if step != st.params_step {
             self.debug(|| {
                 format!(
@@ -268,7 +281,7 @@ impl State {
             };
             if k == key {
                 self.on_round_data(m).await;
-            } else if k.0 == step {
+            } else if k.0 == step || k.0 == step + 1 {
                 self.early.push(m);
             }
         }

@@ -395,6 +395,7 @@ impl Averager {
             tally: None,
             frozen: None,
             early: Vec::new(),
+            next_members: None,
             last_sent: None,
             last_sent_at: Instant::now(),
             timers: plan::Timers::default(),

@@ -166,10 +166,9 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     let diverged = same
         .iter()
         .any(|(p, v)| *p == lead && *p < input.me && v.hash != mine.hash);
-    let mut timers = Timers {
-        behind_since: None,
-        ready_since: input.ready_since,
-    };
+    // `ready_since` is carried only while this replica, as leader, keeps waiting for
+    // laggards: one left over from an earlier wait would let it lead without them at once.
+    let mut timers = Timers::default();
     if ahead || diverged {
         let since = input.behind_since.unwrap_or(now);
         if now.saturating_duration_since(since) < cfg.heartbeat * 2 {

@@ -213,3 +213,29 @@ fn round_timeouts_follow_the_slowest_measured_link() {
     // A round of one moves nothing.
     assert_eq!(round_timeout(floor, 100_000_000, 1, &[1]), floor);
 }
+
+#[test]
+fn a_wait_for_a_laggard_long_ago_does_not_let_a_leader_skip_the_next_one() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let p = peers(2);
+    // p[1] waited as leader for p[0] once (p[0] was a step behind), then p[0] caught up
+    // and led the rounds that followed.
+    let then = t0 + ms(5_000);
+    let mut w = World::new(p[1], view(4, 32, "h", then), t0);
+    w.hear(p[0], view(3, 0, "old", then));
+    assert_eq!(w.decide(then, &c), Decision::Wait);
+    w.hear(p[0], view(4, 32, "h", then));
+    assert_eq!(w.decide(then, &c), Decision::Wait);
+    // Much later p[1] applied step 9 just before p[0] did: it waits for p[0] again
+    // rather than averaging alone, for the grace counted from now.
+    let now = then + ms(20_000);
+    w.mine = view(10, 32, "h10", now);
+    w.hear(p[0], view(9, 0, "h9", now));
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    assert_eq!(w.decide(now + c.heartbeat * 4, &c), Decision::Wait);
+    match w.decide(now + c.heartbeat * 5, &c) {
+        Decision::Lead { members, .. } => assert_eq!(members, vec![p[1]]),
+        d => panic!("expected a round without the laggard after the grace, got {d:?}"),
+    }
+}

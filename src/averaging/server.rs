@@ -163,7 +163,7 @@ impl AvgServer {
                     format!("a part for step {step}, but this replica averages step {now}"),
                 ));
             }
-            if *step > now {
+            if *step > now + 1 {
                 // About to apply step `now`: the sender tries again shortly.
                 return Err(Refusal::new(
                     ErrorKind::Overloaded,
@@ -382,7 +382,9 @@ mod tests {
         let (srv, mut rx, inbox) = server(8 * BUDGET_UNIT);
         let peer = PeerId::random();
         inbox.step.store(3, Ordering::Relaxed);
-        for (step, kind) in [(2, ErrorKind::StaleStep), (4, ErrorKind::Overloaded)] {
+        // Step 4's parts are taken (a member finishing step 3 keeps them for its next
+        // round); step 5's are too early.
+        for (step, kind) in [(2, ErrorKind::StaleStep), (5, ErrorKind::Overloaded)] {
             let e = srv
                 .message(peer, part(step), vec![vec![0u8; 100]])
                 .unwrap_err();
@@ -412,6 +414,8 @@ mod tests {
         let e = srv.message(peer, part(3), vec![vec![0u8; 10]]).unwrap_err();
         assert_eq!(e.kind, ErrorKind::StaleStep);
         assert!(e.message.contains("attempt 1"), "{}", e.message);
+        drop(rx.try_recv().unwrap());
+        srv.message(peer, part(4), vec![vec![0u8; 10]]).unwrap();
         // Control messages are not tied to a step.
         let mut leave = part(0);
         leave.avg = Some(AvgMsg::Leave { pending: 1 });

@@ -161,7 +161,10 @@ impl Worker {
                 } else {
                     r.backward(&input, upstream, req.mb)?
                 };
+                // Written while the replica is still locked: a status taken here and
+                // stored after the averager applied a step would put the step back.
                 let status = ReplicaStatus::of(&r);
+                *lock(&self.shared.status) = status;
                 drop(r);
                 if fresh {
                     let samples = input.dims().first().copied().unwrap_or(0) as u64;
@@ -170,7 +173,6 @@ impl Worker {
                         .samples_accumulated
                         .fetch_add(samples, Ordering::Relaxed);
                 }
-                *lock(&self.shared.status) = status;
                 self.shared.progress.notify_one();
                 let frames = match &g.grad_input {
                     Some(t) => vec![self.encode(t)?],
