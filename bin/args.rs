@@ -142,6 +142,10 @@ pub struct PeerArgs {
     /// (benchmarks only: the "no-sync" mode of `shoal bench converge`).
     #[arg(long, hide = true)]
     pub unbounded_staleness: bool,
+    /// Compute every gradient at the parameters as they are, never at those predicted for
+    /// the step it joins (benchmarks only: `shoal bench converge`'s delayed modes).
+    #[arg(long, hide = true)]
+    pub no_weight_prediction: bool,
     /// Print the replica's counters every this many milliseconds (0: only on stop), so a
     /// benchmark can take the difference over its measured window.
     #[arg(long, default_value_t = 0, value_name = "MS", hide = true)]
@@ -379,6 +383,7 @@ impl TryFrom<&PeerArgs> for PeerConfig {
         cfg.sim_slowdown = a.sim_slowdown;
         cfg.kept_forwards = a.keep_forwards;
         cfg.bound_staleness = !a.unbounded_staleness;
+        cfg.weight_prediction = !a.no_weight_prediction;
         Ok(cfg)
     }
 }

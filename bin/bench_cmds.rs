@@ -319,7 +319,8 @@ pub struct ConvergeArgs {
     /// Samples every mode trains.
     #[arg(long, default_value_t = 12800, value_name = "N")]
     samples: u64,
-    /// Comma-separated modes: synchronous, no-sync, delayed.
+    /// Comma-separated modes: synchronous, no-sync, delayed, delayed-plain (delayed without
+    /// weight prediction).
     #[arg(
         long,
         default_value = "synchronous,no-sync,delayed",
@@ -353,8 +354,15 @@ pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
         bail!("--samples, --concurrency, --target-batch and --timeout must be at least 1");
     }
     let modes: Vec<String> = a.modes.split(',').map(|m| m.trim().to_string()).collect();
-    if let Some(m) = modes.iter().find(|m| !bc::MODES.contains(&m.as_str())) {
-        bail!("unknown mode {m:?}; known: {}", bc::MODES.join(", "));
+    if let Some(m) = modes
+        .iter()
+        .find(|m| !bc::MODES.contains(&m.as_str()) && m.as_str() != bc::PLAIN_DELAYED)
+    {
+        bail!(
+            "unknown mode {m:?}; known: {}, {}",
+            bc::MODES.join(", "),
+            bc::PLAIN_DELAYED
+        );
     }
     let link = shoal::net::link::LinkSpec::parse(&a.emulate_link)
         .map_err(|e| anyhow::anyhow!("--emulate-link: {e}"))?;

@@ -12,7 +12,9 @@
 //!   step s is averaged and applied, and a backward whose kept forward predates the last
 //!   update recomputes it, so every gradient is at most one step stale;
 //! - `no-sync`: trainers never wait and kept forwards are used however old (gradients may
-//!   be several steps stale; what shoal did before delayed updates).
+//!   be several steps stale; what shoal did before delayed updates);
+//! - `delayed-plain` (only when asked): `delayed` without weight prediction, every
+//!   gradient computed at the parameters as they are.
 //!
 //! Per mode: samples/s, the swarm's held-out loss after the last step (the demo's
 //! evaluation, on the same batches for every mode), and the seconds from the trainers'
@@ -33,8 +35,11 @@ use shoal::trainer::report::Progress;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// Ways of stepping, in the order they run.
+/// Ways of stepping, in the order they run by default.
 pub const MODES: [&str; 3] = ["synchronous", "no-sync", "delayed"];
+
+/// Also known, run when asked: delayed updates without weight prediction.
+pub const PLAIN_DELAYED: &str = "delayed-plain";
 
 /// Stages, replicas per stage and trainer processes of every mode.
 const STAGES: usize = 2;
@@ -96,12 +101,12 @@ pub struct ConvergeRow {
 impl ConvergeRow {
     /// The table's header.
     pub const HEADER: &'static str =
-        "mode          steps  samples  seconds  samples/s  eval loss  to target (s)  replicas";
+        "mode           steps  samples  seconds  samples/s  eval loss  to target (s)  replicas";
 
     /// One line of the table.
     pub fn line(&self) -> String {
         format!(
-            "{:<12} {:>6} {:>8} {:>8.1} {:>10.1} {:>10.4} {:>14} {:>9}",
+            "{:<13} {:>6} {:>8} {:>8.1} {:>10.1} {:>10.4} {:>14} {:>9}",
             self.mode,
             self.steps,
             self.samples,
@@ -163,7 +168,7 @@ async fn run_in(
     let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
     let (wait, bounded) = match mode {
         "synchronous" => (true, true),
-        "delayed" => (false, true),
+        "delayed" | PLAIN_DELAYED => (false, true),
         "no-sync" => (false, false),
         other => return Err(err(&format!("unknown mode {other:?}"))),
     };
@@ -182,6 +187,9 @@ async fn run_in(
             a.extend(["--rebalance-every", "0", "--emulate-link", &link].map(String::from));
             if !bounded {
                 a.push("--unbounded-staleness".into());
+            }
+            if mode == PLAIN_DELAYED {
+                a.push("--no-weight-prediction".into());
             }
             peers.push(Proc::spawn(exe, dir, &name, &a)?);
         }

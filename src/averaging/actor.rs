@@ -73,6 +73,8 @@ pub(super) struct State {
     pub(super) last_sent_at: Instant,
     pub(super) timers: plan::Timers,
     pub(super) started: Instant,
+    /// The first lookup of the stage's replicas answered.
+    pub(super) looked_up: bool,
     pub(super) stats: Arc<AvgStats>,
     pub(super) rng: Rng,
     /// The checks on members' chunks, and the peers banned from rounds.
@@ -105,6 +107,7 @@ impl State {
                     // The stage's replicas are those announced now: a replica that died
                     // without a word drops out when its announcement expires (else
                     // heartbeats went to it for ever, a failed dial each).
+                    self.looked_up = true;
                     self.known.retain(|k| peers.iter().any(|(p, _)| p == k));
                     for (p, addrs) in peers {
                         if p != self.me {
@@ -332,6 +335,7 @@ impl State {
             views: &self.views,
             known: &self.known,
             started: self.started,
+            looked_up: self.looked_up,
             behind_since: self.timers.behind_since,
             ready_since: self.timers.ready_since,
         };

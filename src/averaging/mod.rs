@@ -400,6 +400,7 @@ impl Averager {
             last_sent_at: Instant::now(),
             timers: plan::Timers::default(),
             started: Instant::now(),
+            looked_up: false,
             stats: Arc::clone(&stats),
             rng: Rng::new(seed),
             left: false,

@@ -70,6 +70,9 @@ pub struct Input<'a> {
     pub known: &'a [PeerId],
     /// When this averager started.
     pub started: Instant,
+    /// Whether the first lookup of the stage's announced replicas has answered (before
+    /// it, `known` may lack replicas that exist).
+    pub looked_up: bool,
     /// Since when this replica has seen itself behind, if it does.
     pub behind_since: Option<Instant>,
     /// Since when, as leader, it has seen enough samples for a round, if it has.
@@ -145,8 +148,9 @@ pub fn round_timeout(
 ///   for two heartbeats: resync from the replicas at the highest step (or the leader).
 /// - The leader, once the live replicas at its step hold `target` samples (any, to retry an
 ///   abandoned attempt whose samples are frozen): waits up to
-///   five heartbeats for replicas that are catching up (and, just after start, for every
-///   known replica to be heard from), then leads a round of the replicas at its step.
+///   five heartbeats for replicas that are catching up (and, just after start, for the
+///   first lookup of the stage's replicas and every known replica to be heard from), then
+///   leads a round of the replicas at its step.
 pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decision, Timers) {
     let mine = input.mine;
     let s = mine.params_step;
@@ -205,7 +209,7 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     let lagging = live.iter().any(|(_, v)| v.params_step < s);
     let unheard = input.known.iter().any(|p| !input.views.contains_key(p));
     let starting = now.saturating_duration_since(input.started) < cfg.live_timeout;
-    if (lagging || (unheard && starting))
+    if (lagging || ((unheard || !input.looked_up) && starting))
         && now.saturating_duration_since(ready) < cfg.heartbeat * 5
     {
         timers.ready_since = Some(ready);

@@ -33,6 +33,7 @@ struct World {
     views: HashMap<PeerId, View>,
     known: Vec<PeerId>,
     timers: Timers,
+    looked_up: bool,
 }
 
 impl World {
@@ -44,6 +45,7 @@ impl World {
             views: HashMap::new(),
             known: Vec::new(),
             timers: Timers::default(),
+            looked_up: true,
         }
     }
 
@@ -62,6 +64,7 @@ impl World {
             views: &self.views,
             known: &self.known,
             started: self.t0,
+            looked_up: self.looked_up,
             behind_since: self.timers.behind_since,
             ready_since: self.timers.ready_since,
         };
@@ -238,4 +241,35 @@ fn a_wait_for_a_laggard_long_ago_does_not_let_a_leader_skip_the_next_one() {
         Decision::Lead { members, .. } => assert_eq!(members, vec![p[1]]),
         d => panic!("expected a round without the laggard after the grace, got {d:?}"),
     }
+}
+
+#[test]
+fn just_after_start_a_leader_waits_for_the_first_lookup_of_its_stage() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let p = peers(2);
+    // No replica heard or looked up yet: one that exists may simply not be known.
+    let mut w = World::new(p[0], view(0, 32, "h", t0), t0);
+    w.looked_up = false;
+    assert_eq!(w.decide(t0 + ms(10), &c), Decision::Wait);
+    w.looked_up = true;
+    w.known.push(p[1]);
+    assert_eq!(
+        w.decide(t0 + ms(20), &c),
+        Decision::Wait,
+        "known, not heard"
+    );
+    w.hear(p[1], view(0, 0, "h", t0 + ms(30)));
+    match w.decide(t0 + ms(30), &c) {
+        Decision::Lead { members, .. } => assert_eq!(members, p),
+        d => panic!("expected a round of both, got {d:?}"),
+    }
+    // A lookup that never answers delays the first round by the grace only.
+    let mut w = World::new(p[0], view(0, 32, "h", t0), t0);
+    w.looked_up = false;
+    assert_eq!(w.decide(t0 + ms(10), &c), Decision::Wait);
+    assert!(matches!(
+        w.decide(t0 + ms(10) + c.heartbeat * 5, &c),
+        Decision::Lead { .. }
+    ));
 }

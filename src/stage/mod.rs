@@ -19,6 +19,7 @@ pub mod accum;
 pub mod client;
 pub mod exchange;
 pub mod frozen;
+pub mod predict;
 pub mod probe;
 pub mod registry;
 pub mod replica;

@@ -10,6 +10,7 @@
 
 pub use super::accum::Accum;
 pub use super::frozen::Frozen;
+use super::predict::{self, Predictor};
 use super::sim::SimCompute;
 use crate::config::RunConfig;
 use crate::model::checkpoint::{self, Info};
@@ -49,8 +50,9 @@ pub struct Replica {
     opt: AdamW,
     params_step: u64,
     accum: Arc<Mutex<Accum>>,
-    /// Kept forwards, with the parameter step each ran at.
-    kept: std::collections::HashMap<u64, (Kept, u64)>,
+    /// Kept forwards, with the parameter step each ran at and the step its parameters
+    /// were predicted for ([`Predictor`]; the step it ran at when nothing was predicted).
+    kept: std::collections::HashMap<u64, (Kept, u64, u64)>,
     kept_order: VecDeque<u64>,
     kept_cap: usize,
     /// Whether a kept forward from before the last applied update is recomputed (the
@@ -68,6 +70,8 @@ pub struct Replica {
     /// The largest staleness (steps between the parameters a gradient was computed at and
     /// the step it was accumulated into) seen so far.
     max_staleness: u64,
+    /// Gradients computed at predicted parameters (delayed updates).
+    predict: Predictor,
 }
 
 impl std::fmt::Debug for Replica {
@@ -122,6 +126,7 @@ impl Replica {
             sim: SimCompute::of(cfg, 1.0),
             stale_recomputed: 0,
             max_staleness: 0,
+            predict: Predictor::new(numel <= predict::MAX_NUMEL),
         })
     }
 
@@ -143,12 +148,25 @@ impl Replica {
         self
     }
 
+    /// Turns weight prediction off (it is on for stages of at most
+    /// [`predict::MAX_NUMEL`] parameters with the staleness bound).
+    pub fn with_prediction(mut self, on: bool) -> Self {
+        if !on {
+            self.predict = Predictor::new(false);
+        }
+        self
+    }
+
     /// With `false`, a backward runs through its kept forward however many updates ago it
     /// ran, and the gradient goes into the step being accumulated: gradients may be
     /// several steps stale (shoal's "no-sync" mode before delayed updates; kept only so
-    /// that `shoal bench converge` can show what the bound buys).
+    /// that `shoal bench converge` can show what the bound buys). Also turns weight
+    /// prediction off.
     pub fn with_staleness_bound(mut self, bound: bool) -> Self {
         self.bound_staleness = bound;
+        if !bound {
+            self.predict = Predictor::new(false);
+        }
         self
     }
 
@@ -232,9 +250,19 @@ impl Replica {
         if mb == 0 {
             return self.stage.forward(input);
         }
-        let kept = self.stage.forward_kept(input)?;
+        // At the parameters its gradient is expected to be applied to (see `predict`).
+        let h = self.predict.horizon();
+        let (stage, input_t) = (&self.stage, input);
+        let kept = self
+            .predict
+            .shifted(stage.params(), h, || stage.forward_kept(input_t))?;
         let out = kept.output().detach();
-        if self.kept.insert(mb, (kept, self.params_step)).is_none() {
+        let target = self.params_step + h.round() as u64;
+        if self
+            .kept
+            .insert(mb, (kept, self.params_step, target))
+            .is_none()
+        {
             self.kept_order.push_back(mb);
         }
         self.keep_within_cap();
@@ -264,22 +292,31 @@ impl Replica {
         let kept = self
             .kept
             .remove(&mb)
-            .filter(|(k, _)| k.input_dims() == input.dims());
+            .filter(|(k, _, _)| k.input_dims() == input.dims());
         // At most one step stale, by construction: gradients go into step `params_step`
         // or, while that step's sum is frozen for its round, `params_step + 1`; so a
         // forward kept from before the last applied update (which the averager may make
         // two steps stale at any moment, by freezing) is recomputed at the current
         // parameters instead.
+        // The step this gradient joins: this one, or the next while this one is frozen.
+        let joins = self.acc().accum_step();
+        if let Some((_, at, _)) = &kept {
+            self.predict.observe(*at, joins);
+        }
         let kept = match kept {
-            Some((_, at)) if at < self.params_step && self.bound_staleness => {
+            Some((_, at, _)) if at < self.params_step && self.bound_staleness => {
                 self.stale_recomputed += 1;
                 None
             }
+            // Predicted for another step than it joins: recomputed for the right one.
+            Some((_, _, target)) if self.predict.active() && target != joins => None,
             k => k,
         };
         // Kept or recomputed, the gradient is of the parameters its forward ran at.
-        let computed_at = kept.as_ref().map_or(self.params_step, |(_, at)| *at);
-        let kept = kept.map(|(k, _)| k);
+        let computed_at = kept.as_ref().map_or(self.params_step, |(_, at, _)| *at);
+        let kept = kept.map(|(k, _, _)| k);
+        // Recomputed for the next step: at the parameters predicted for it.
+        let ahead = joins.saturating_sub(self.params_step) as f64;
         let g = match (kept, &self.sim) {
             (_, Some(sim)) => {
                 let ran = self.kept_order.iter().position(|&m| m == mb);
@@ -289,7 +326,11 @@ impl Replica {
                 sim.backward(&self.stage, input, upstream, ran.is_none())?
             }
             (Some(k), None) => self.stage.backward_kept(k, upstream)?,
-            (None, None) => self.stage.backward(input, upstream)?,
+            (None, None) => {
+                let stage = &self.stage;
+                self.predict
+                    .shifted(stage.params(), ahead, || stage.backward(input, upstream))?
+            }
         };
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let numel = self.numel;
@@ -381,7 +422,9 @@ impl Replica {
         }
         // The frozen sum is no longer needed: free it before the update's temporaries.
         self.acc().frozen = None;
+        let before = self.predict.before_update(self.stage.params())?;
         self.opt.step_flat(self.stage.params(), avg)?;
+        self.predict.after_update(self.stage.params(), before)?;
         self.params_step += 1;
         self.samples_applied += samples;
         self.samples_lost += lost;
@@ -481,6 +524,7 @@ impl Replica {
     /// accumulated gradients.
     pub fn resume(&mut self, path: &std::path::Path, run: &str) -> Result<Info, ModelError> {
         let info = checkpoint::load(&self.stage, &mut self.opt, path, run)?;
+        self.predict.reset();
         self.params_step = info.step;
         self.samples_applied = info.samples_applied;
         self.samples_lost = info.samples_lost;
@@ -529,6 +573,7 @@ impl Replica {
         }
         self.opt
             .restore_flat(snap.step, &snap.flat[n..2 * n], &snap.flat[2 * n..])?;
+        self.predict.reset();
         self.params_step = snap.step;
         self.samples_applied = snap.samples_applied;
         self.samples_lost = snap.samples_lost;

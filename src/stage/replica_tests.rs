@@ -105,3 +105,88 @@ fn a_gradient_is_never_more_than_one_step_stale() -> TestResult {
     assert_eq!(r.accum_step(), 2);
     Ok(())
 }
+
+#[test]
+fn a_gradient_that_joins_the_next_step_is_computed_at_the_predicted_parameters() -> TestResult {
+    let (cfg, mut r) = one_stage()?;
+    let (x, y) = batch(&cfg, 2, 5)?;
+    let n = r.stage().params().numel();
+    let flat_params = |r: &Replica| -> TestResult<Vec<f32>> {
+        let ts: Vec<Tensor> = r
+            .stage()
+            .params()
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect();
+        Ok(flatten(&ts)?)
+    };
+    // One real update, so that there is a last update to predict with.
+    let theta0 = flat_params(&r)?;
+    let avg: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 1e-2).collect();
+    r.apply(0, &avg.as_slice(), 4, 0)?;
+    let theta1 = flat_params(&r)?;
+    let hash1 = r.params_hash().to_string();
+    // Step 1 is being averaged: this microbatch's gradient joins step 2, applied to
+    // θ2 ≈ θ1 + (θ1 − θ0).
+    r.freeze(1, 1000, &CodecSpec::F32)?;
+    let (_, fresh) = r.backward(&x, Upstream::Targets(&y), 9)?;
+    assert!(fresh);
+    assert_eq!(
+        r.params_hash(),
+        hash1,
+        "the parameters are put back exactly"
+    );
+    assert_eq!(flat_params(&r)?, theta1);
+    // The same gradient by hand, at the predicted parameters.
+    let predicted: Vec<f32> = theta1
+        .iter()
+        .zip(&theta0)
+        .map(|(a, b)| a + (a - b))
+        .collect();
+    let mut at = 0;
+    for v in r.stage().params().vars() {
+        let k = v.elem_count();
+        v.set(&Tensor::from_slice(
+            &predicted[at..at + k],
+            v.dims(),
+            v.device(),
+        )?)?;
+        at += k;
+    }
+    let want = flatten(&r.stage().backward(&x, Upstream::Targets(&y))?.grads)?;
+    let plain = {
+        let mut at = 0;
+        for v in r.stage().params().vars() {
+            let k = v.elem_count();
+            v.set(&Tensor::from_slice(
+                &theta1[at..at + k],
+                v.dims(),
+                v.device(),
+            )?)?;
+            at += k;
+        }
+        flatten(&r.stage().backward(&x, Upstream::Targets(&y))?.grads)?
+    };
+    // What the replica accumulated for step 2.
+    r.apply(1, &vec![0.0f32; n].as_slice(), 0, 0)?;
+    let f = r.freeze(2, 1000, &CodecSpec::F32)?;
+    let mut got = Vec::new();
+    for c in 0..n.div_ceil(1000) {
+        got.extend(f.sum.decode(c as u32)?);
+    }
+    // The sum holds each microbatch's mean gradient times its 2 samples.
+    let dist = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - 2.0 * y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    assert!(
+        dist(&got, &want) < 1e-5,
+        "off the predicted gradient by {}",
+        dist(&got, &want)
+    );
+    assert!(dist(&got, &plain) > 1e-4, "the prediction changed nothing");
+    Ok(())
+}

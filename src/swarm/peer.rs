@@ -114,6 +114,9 @@ pub struct PeerConfig {
     /// Recompute a kept forward older than the last update (gradients at most one step
     /// stale); off only in benchmarks ([`crate::stage::replica::Replica::with_staleness_bound`]).
     pub bound_staleness: bool,
+    /// Compute gradients that will be applied after further updates at the parameters
+    /// predicted for them ([`crate::stage::predict`]); off only in benchmarks.
+    pub weight_prediction: bool,
     /// Makes this peer's replica send corrupted gradient parts: tests of robust
     /// aggregation only (no command-line flag sets it).
     #[doc(hidden)]
@@ -160,6 +163,7 @@ impl PeerConfig {
             sim_slowdown: 1.0,
             kept_forwards: crate::stage::replica::KEPT_CAP,
             bound_staleness: true,
+            weight_prediction: true,
             tamper: None,
         }
     }

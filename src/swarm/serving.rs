@@ -180,7 +180,8 @@ impl Ctx {
         let mut replica = Replica::new(&manifest.config, stage)?
             .with_sim(sim)
             .with_kept_cap(cfg.kept_forwards)
-            .with_staleness_bound(cfg.bound_staleness);
+            .with_staleness_bound(cfg.bound_staleness)
+            .with_prediction(cfg.weight_prediction);
         let client = StageClient::new(
             self.net.clone(),
             manifest.id.clone(),
