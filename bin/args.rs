@@ -179,8 +179,9 @@ pub struct SwarmTrainArgs {
     /// its last step).
     #[arg(long, value_name = "N")]
     pub microbatches: Option<u64>,
-    /// Do not wait, after a microbatch, for the step it joined to be applied (more
-    /// throughput, gradients up to one step stale).
+    /// Do not wait, after a microbatch, for the step it joined to be applied (delayed
+    /// updates: more throughput; gradients at most one step stale, computed at the
+    /// parameters the replicas predict for the step they join).
     #[arg(long)]
     pub no_sync_steps: bool,
     /// How replicas are picked: `wiring` (stochastic, by expected finish time) or
