@@ -166,11 +166,9 @@ impl State {
         members: Vec<PeerId>,
         lost: u64,
     ) {
-        let mut st = self.status();
-        if step == st.params_step + 1 {
-            // The status may lag an update applied just now.
-            st = self.service.refresh_status().await;
-        }
+        // This actor applies the steps and refreshes the status right after, so the
+        // status is current here (no need to wait behind compute for the replica's lock).
+        let st = self.status();
         if step == st.params_step + 1 && members.contains(&self.me) {
             // Still finishing this step (its last reduced chunks are on the way):
             // joined once it is applied.
