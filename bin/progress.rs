@@ -166,6 +166,16 @@ impl Bar {
     }
 }
 
+/// A training loss for a progress line: `-` until some sample completed (a zero there
+/// would read as a perfect model).
+pub fn loss_text(completed: u64, loss: f64) -> String {
+    if completed == 0 || !loss.is_finite() {
+        "-".into()
+    } else {
+        format!("{loss:.4}")
+    }
+}
+
 /// The bar of the state download under way, one stage at a time (a peer's `downloading`
 /// events, `shoal export`'s stages): a new stage's download replaces the bar.
 #[derive(Default)]
@@ -224,6 +234,13 @@ impl Drop for Bar {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_loss_is_shown_before_a_sample_completed() {
+        assert_eq!(loss_text(0, 0.0), "-");
+        assert_eq!(loss_text(5, f64::NAN), "-");
+        assert_eq!(loss_text(16, 1.23456), "1.2346");
+    }
 
     #[test]
     fn plain_lines_come_at_each_twentieth_and_once_at_the_end() {

@@ -250,10 +250,10 @@ async fn run_in(
         }
         bar.set(p.completed, || {
             format!(
-                "[{:>4.0}s] {mode}: step {:>4}  loss {:.4}",
+                "[{:>4.0}s] {mode}: step {:>4}  loss {}",
                 started.elapsed().as_secs_f64(),
                 p.step,
-                p.loss
+                crate::progress::loss_text(p.completed, p.loss)
             )
         });
     }

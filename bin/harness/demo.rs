@@ -171,11 +171,15 @@ async fn run_in(cfg: &DemoConfig, dir: &Path, bar: &Bar) -> Result<DemoReport, H
             }
             bar.set(total.step, || {
                 format!(
-                    "[{secs:>4.0}s] loss {:.4}  samples/s {:>6.1}  wire {:.1} MB (x{:.2} smaller than f32)  peers per stage [{}]",
-                    total.loss,
+                    "[{secs:>4.0}s] loss {}  samples/s {:>6.1}  wire {:.1} MB (x{} smaller than f32)  peers per stage [{}]",
+                    crate::progress::loss_text(total.completed, total.loss),
                     total.completed as f64 / secs.max(1e-9),
                     total.wire as f64 / 1e6,
-                    total.raw as f64 / (total.wire.max(1)) as f64,
+                    if total.wire == 0 {
+                        "-".to_string()
+                    } else {
+                        format!("{:.2}", total.raw as f64 / total.wire as f64)
+                    },
                     counts.join(" ")
                 )
             });
