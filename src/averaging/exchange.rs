@@ -15,6 +15,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Whether round data of step `step` that came before its `Members` is kept at step
+/// `now`: this step's, or, while this replica finishes its step, the next one's.
+fn kept_early(step: u64, now: u64) -> bool {
+    step == now || step == now + 1
+}
+
 impl State {
     /// A part or reduced chunk: taken if it is for the running attempt, kept for later if
     /// it is for this step and came before its `Members`, else dropped.
@@ -26,9 +32,7 @@ impl State {
             _ => return,
         };
         if self.tally.as_ref().map(Tally::key) != Some(key) {
-            // This step's or, while this replica finishes its step, the next one's.
-            let now = self.status().params_step;
-            if key.0 == now || key.0 == now + 1 {
+            if kept_early(key.0, self.status().params_step) {
                 self.early.push(m);
             }
             return;
@@ -279,7 +283,7 @@ impl State {
             };
             if k == key {
                 self.on_round_data(m).await;
-            } else if k.0 == step || k.0 == step + 1 {
+            } else if kept_early(k.0, step) {
                 self.early.push(m);
             }
         }

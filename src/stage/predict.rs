@@ -26,7 +26,7 @@ const LAG_WEIGHT: f64 = 0.1;
 const MIN_HORIZON: f64 = 0.25;
 
 /// The last update and the lag between forwards and the steps their gradients join.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Predictor {
     enabled: bool,
     /// θ_p − θ_{p−1}, per parameter: `None` before the first update or after a state
@@ -44,11 +44,6 @@ impl Predictor {
             delta: None,
             lag: 0.0,
         }
-    }
-
-    /// Whether it predicts at all.
-    pub fn enabled(&self) -> bool {
-        self.enabled
     }
 
     /// Whether a pass can run at predicted parameters (on, and an update to follow).

@@ -252,10 +252,10 @@ impl Replica {
         }
         // At the parameters its gradient is expected to be applied to (see `predict`).
         let h = self.predict.horizon();
-        let (stage, input_t) = (&self.stage, input);
+        let stage = &self.stage;
         let kept = self
             .predict
-            .shifted(stage.params(), h, || stage.forward_kept(input_t))?;
+            .shifted(stage.params(), h, || stage.forward_kept(input))?;
         let out = kept.output().detach();
         let target = self.params_step + h.round() as u64;
         if self
@@ -293,16 +293,16 @@ impl Replica {
             .kept
             .remove(&mb)
             .filter(|(k, _, _)| k.input_dims() == input.dims());
-        // At most one step stale, by construction: gradients go into step `params_step`
-        // or, while that step's sum is frozen for its round, `params_step + 1`; so a
-        // forward kept from before the last applied update (which the averager may make
-        // two steps stale at any moment, by freezing) is recomputed at the current
-        // parameters instead.
         // The step this gradient joins: this one, or the next while this one is frozen.
         let joins = self.acc().accum_step();
         if let Some((_, at, _)) = &kept {
             self.predict.observe(*at, joins);
         }
+        // At most one step stale, by construction: gradients go into step `params_step`
+        // or, while that step's sum is frozen for its round, `params_step + 1`; so a
+        // forward kept from before the last applied update (which the averager may make
+        // two steps stale at any moment, by freezing) is recomputed at the current
+        // parameters instead.
         let kept = match kept {
             Some((_, at, _)) if at < self.params_step && self.bound_staleness => {
                 self.stale_recomputed += 1;

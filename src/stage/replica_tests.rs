@@ -106,6 +106,21 @@ fn a_gradient_is_never_more_than_one_step_stale() -> TestResult {
     Ok(())
 }
 
+/// Sets the stage's parameters from one flat vector, in parameter order.
+fn set_params(r: &Replica, flat: &[f32]) -> TestResult {
+    let mut at = 0;
+    for v in r.stage().params().vars() {
+        let k = v.elem_count();
+        v.set(&Tensor::from_slice(
+            &flat[at..at + k],
+            v.dims(),
+            v.device(),
+        )?)?;
+        at += k;
+    }
+    Ok(())
+}
+
 #[test]
 fn a_gradient_that_joins_the_next_step_is_computed_at_the_predicted_parameters() -> TestResult {
     let (cfg, mut r) = one_stage()?;
@@ -144,30 +159,10 @@ fn a_gradient_that_joins_the_next_step_is_computed_at_the_predicted_parameters()
         .zip(&theta0)
         .map(|(a, b)| a + (a - b))
         .collect();
-    let mut at = 0;
-    for v in r.stage().params().vars() {
-        let k = v.elem_count();
-        v.set(&Tensor::from_slice(
-            &predicted[at..at + k],
-            v.dims(),
-            v.device(),
-        )?)?;
-        at += k;
-    }
+    set_params(&r, &predicted)?;
     let want = flatten(&r.stage().backward(&x, Upstream::Targets(&y))?.grads)?;
-    let plain = {
-        let mut at = 0;
-        for v in r.stage().params().vars() {
-            let k = v.elem_count();
-            v.set(&Tensor::from_slice(
-                &theta1[at..at + k],
-                v.dims(),
-                v.device(),
-            )?)?;
-            at += k;
-        }
-        flatten(&r.stage().backward(&x, Upstream::Targets(&y))?.grads)?
-    };
+    set_params(&r, &theta1)?;
+    let plain = flatten(&r.stage().backward(&x, Upstream::Targets(&y))?.grads)?;
     // What the replica accumulated for step 2.
     r.apply(1, &vec![0.0f32; n].as_slice(), 0, 0)?;
     let f = r.freeze(2, 1000, &CodecSpec::F32)?;
