@@ -328,17 +328,19 @@ impl State {
         }
         // A banned replica is in no view (forgotten when banned, its messages dropped
         // while the ban lasts), so it is no member, leader or donor of this one.
+        let mut st = st;
+        if plan::batch_full(&self.input(&View::of(&st, now)), now, &self.cfg) {
+            // Off the async threads: encoding a large stage's sum takes a while. A failed
+            // freeze leaves the sum to the round's own.
+            let (service, codec) = (Arc::clone(&self.service), self.cfg.codec);
+            let (step, chunk) = (st.params_step, round::chunk_for(self.n));
+            let _ = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec)).await;
+            self.debug(|| format!("step {step}'s batch is full: froze {}", st.accum_count));
+            st = self.status();
+            self.heartbeat(&st);
+        }
         let mine = View::of(&st, Instant::now());
-        let input = plan::Input {
-            me: self.me,
-            mine: &mine,
-            views: &self.views,
-            known: &self.known,
-            started: self.started,
-            looked_up: self.looked_up,
-            behind_since: self.timers.behind_since,
-            ready_since: self.timers.ready_since,
-        };
+        let input = self.input(&mine);
         let (decision, timers) = plan::decide(&input, Instant::now(), &self.cfg);
         self.timers = timers;
         match decision {
@@ -375,6 +377,20 @@ impl State {
                 }
                 self.on_members(step, attempt, members, lost).await;
             }
+        }
+    }
+
+    /// What [`plan`] reads, with `mine` as this replica's status.
+    fn input<'a>(&'a self, mine: &'a View) -> plan::Input<'a> {
+        plan::Input {
+            me: self.me,
+            mine,
+            views: &self.views,
+            known: &self.known,
+            started: self.started,
+            looked_up: self.looked_up,
+            behind_since: self.timers.behind_since,
+            ready_since: self.timers.ready_since,
         }
     }
 

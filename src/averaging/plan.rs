@@ -142,6 +142,27 @@ pub fn round_timeout(
     }
 }
 
+/// Whether this replica should freeze what it holds for its step now, before any round
+/// begins: its step's batch is full as far as it knows (its samples and those the live
+/// replicas at its step said they hold reach `target`), and it holds unfrozen samples.
+/// Later samples then count toward the next step, so a step holds the run's batch and not
+/// also what arrives while its round forms (which, with trainers that never wait, made
+/// steps a quarter to a half larger than asked, and fewer).
+pub fn batch_full(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> bool {
+    let mine = input.mine;
+    let s = mine.params_step;
+    if mine.accum_step != s || mine.count == 0 || mine.frozen > 0 {
+        return false;
+    }
+    let others: u64 = input
+        .views
+        .values()
+        .filter(|v| v.is_live(now, cfg.live_timeout) && v.params_step == s)
+        .map(|v| v.pending_at(s))
+        .sum();
+    mine.count + others >= cfg.target.max(1)
+}
+
 /// Decides what the averager does on this tick (no round in progress).
 ///
 /// - Behind (a live replica at a later step, or the leader's hash differs at this step)

@@ -72,6 +72,21 @@ impl World {
         self.timers = t;
         d
     }
+
+    /// Whether this replica's step's batch is full as it knows it.
+    fn full(&self, now: Instant, cfg: &AveragerConfig) -> bool {
+        let input = Input {
+            me: self.me,
+            mine: &self.mine,
+            views: &self.views,
+            known: &self.known,
+            started: self.t0,
+            looked_up: self.looked_up,
+            behind_since: None,
+            ready_since: None,
+        };
+        batch_full(&input, now, cfg)
+    }
 }
 
 fn ms(n: u64) -> Duration {
@@ -260,4 +275,37 @@ fn just_after_start_a_leader_waits_for_the_first_lookup_of_its_stage() {
     // Looked up, and no other replica: it leads at once.
     let mut w = World::new(p[0], view(0, 32, "h", t0), t0);
     assert!(matches!(w.decide(t0 + ms(10), &c), Decision::Lead { .. }));
+}
+
+#[test]
+fn a_replica_freezes_its_step_once_the_batch_it_knows_of_is_full() {
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(10_000);
+    let p = peers(3);
+    // The leader or not, a replica freezes once its samples and those the live replicas
+    // at its step hold reach the batch.
+    let mut w = World::new(p[1], view(4, 16, "h", now), t0);
+    w.hear(p[0], view(4, 8, "h", now));
+    assert!(!w.full(now, &c));
+    w.hear(p[0], view(4, 16, "h", now));
+    assert!(w.full(now, &c));
+    // A replica that froze for this step's round counts with what it froze.
+    let mut v = view(4, 0, "h", now);
+    v.frozen = 16;
+    w.hear(p[0], v);
+    assert!(w.full(now, &c));
+    // Silent replicas, and replicas at another step, do not count.
+    w.hear(p[0], view(4, 16, "h", now - c.live_timeout - ms(1)));
+    w.hear(p[2], view(5, 16, "h", now));
+    assert!(!w.full(now, &c));
+    // Nothing to freeze: no samples of its own, or already frozen (its next samples
+    // count toward the next step).
+    w.hear(p[0], view(4, 32, "h", now));
+    w.mine.count = 0;
+    assert!(!w.full(now, &c));
+    w.mine.count = 16;
+    w.mine.frozen = 16;
+    w.mine.accum_step = 5;
+    assert!(!w.full(now, &c));
 }

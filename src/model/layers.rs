@@ -217,9 +217,7 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let hd = c / self.n_heads;
-        let qkv = self
-            .qkv
-            .forward(x)?
+        let qkv = super::fused::linear(x, &self.qkv)?
             .reshape((b, t, 3, self.n_heads, hd))?
             .permute((2, 0, 3, 1, 4))?; // [3, b, h, t, hd]
         let q = qkv.get(0)?.contiguous()?;
@@ -228,7 +226,7 @@ impl Attention {
         let (k, v) = with_cache(k, v, cache)?;
         let y = attend(&q, &k, &v, ctx.mask, ctx.pos)?;
         let y = y.transpose(1, 2)?.reshape((b, t, c))?;
-        self.proj.forward(&y)
+        super::fused::linear(&y, &self.proj)
     }
 }
 
@@ -301,8 +299,8 @@ impl GptBlock {
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?, ctx, cache)?)?;
-        let h = super::fused::gelu(&self.fc.forward(&self.ln2.forward(&x)?)?)?;
-        x + self.proj.forward(&h)?
+        let h = super::fused::gelu(&super::fused::linear(&self.ln2.forward(&x)?, &self.fc)?)?;
+        x + super::fused::linear(&h, &self.proj)?
     }
 }
 

@@ -296,7 +296,7 @@ impl Stage {
                 let tok = e.wte.index_select(&input.flatten_all()?, 0)?;
                 let tok = tok.reshape((b, t, self.cfg.d_model))?;
                 match &e.wpe {
-                    Some(wpe) => tok.broadcast_add(&wpe.narrow(0, pos, t)?)?,
+                    Some(wpe) => super::fused::bias_add(&tok, &wpe.narrow(0, pos, t)?)?,
                     None => tok,
                 }
             }

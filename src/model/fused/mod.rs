@@ -1,5 +1,6 @@
 //! Fused CPU kernels, each with its own backward: the GELU, LayerNorm, RMSNorm, SwiGLU,
-//! the causal attention softmax and the cross-entropy, one pass over memory apiece.
+//! the causal attention softmax, the cross-entropy and the bias add, one pass over memory
+//! apiece.
 //!
 //! Spelled out from primitive candle ops, each of these is five to fifteen ops forward and
 //! as many backward, every one a fresh tensor and a trip through candle's thread pool; at
@@ -10,7 +11,7 @@
 //! They run for contiguous f32 tensors on the CPU; the functions at the bottom fall back to
 //! the primitive-op forms elsewhere (CUDA, Metal, f64 numerical tests), so every device
 //! keeps a gradient. `tests` checks each kernel's value and gradient against that form.
-//! The kernels: `pointwise` (GELU, SwiGLU), `norm` (LayerNorm, RMSNorm), `rows` (causal
+//! The kernels: `pointwise` (GELU, SwiGLU, bias add), `norm` (LayerNorm, RMSNorm), `rows` (causal
 //! softmax, cross-entropy).
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType, D};
@@ -87,7 +88,7 @@ mod pointwise;
 mod rows;
 
 use norm::{LayerNormOp, Norm, RmsNormOp};
-use pointwise::{Gelu, SwiGlu};
+use pointwise::{BiasAdd, Gelu, SwiGlu};
 use rows::{CausalSoftmax, CrossEntropy};
 
 /// Whether `t` takes the fused path.
@@ -101,6 +102,27 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1(Gelu)
     } else {
         primitive::gelu(x)
+    }
+}
+
+/// x + b for `b` of the shape of `x`'s trailing dims (a bias, a position table).
+pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let trailing = &x.dims()[x.rank().saturating_sub(b.rank())..];
+    if fused(x) && fused(b) && trailing == b.dims() {
+        return x.contiguous()?.apply_op2(&b.contiguous()?, BiasAdd);
+    }
+    primitive::bias_add(x, b)
+}
+
+/// `lin` applied to `x`, its bias (if any) added by [`bias_add`].
+pub fn linear(x: &Tensor, lin: &candle_nn::Linear) -> Result<Tensor> {
+    use candle_core::Module;
+    match lin.bias() {
+        Some(b) => bias_add(
+            &candle_nn::Linear::new(lin.weight().clone(), None).forward(x)?,
+            b,
+        ),
+        None => lin.forward(x),
     }
 }
 
@@ -169,6 +191,10 @@ mod primitive {
 
     pub(super) fn gelu(x: &Tensor) -> Result<Tensor> {
         x.gelu()
+    }
+
+    pub(super) fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+        x.broadcast_add(b)
     }
 
     pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {

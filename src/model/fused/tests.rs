@@ -129,3 +129,16 @@ fn cross_entropy_matches_candles() -> TestResult {
     assert!(cross_entropy(&logits, &bad).is_err());
     Ok(())
 }
+
+#[test]
+fn bias_add_matches_the_broadcast_for_a_bias_and_a_position_table() -> TestResult {
+    let x = rand(&[4, 8, 96], 9)?;
+    for b in [rand(&[96], 10)?, rand(&[8, 96], 11)?] {
+        check(
+            &[x.clone(), b],
+            |t| bias_add(&t[0], &t[1]),
+            |t| primitive::bias_add(&t[0], &t[1]),
+        )?;
+    }
+    Ok(())
+}
