@@ -166,7 +166,8 @@ pub struct SwarmTrainArgs {
     /// Trainer loops in this process.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub trainers: usize,
-    /// Microbatches each loop keeps in flight (more is faster but staler).
+    /// Microbatches each loop keeps in flight (more is faster but staler; with
+    /// --no-sync-steps the next one starts as one's last backward goes out).
     #[arg(long, default_value_t = TrainerConfig::CONCURRENCY, value_name = "N")]
     pub concurrency: usize,
     /// First data stream index (each loop reads its own stream).

@@ -309,8 +309,9 @@ pub const SIM_TARGET_BATCH: usize = 512;
 /// Microbatches each trainer keeps in flight in the `real` scenario, at most. A real stage
 /// keeps every in-flight microbatch's forward graph: at the sim scenarios' 96 each peer grew
 /// to 1.4 GB within seconds, the page faults of that growth took a fifth of the CPU, and
-/// the swarm did 121–155 samples/s; at 8 it does ~270 (BENCHMARKS.md).
-pub const REAL_CONCURRENCY: usize = 8;
+/// the swarm did 121–155 samples/s; at 8 it waited on latency, and 12 did best of 8–16
+/// (BENCHMARKS.md).
+pub const REAL_CONCURRENCY: usize = 12;
 
 /// The setups of a scenario.
 pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {

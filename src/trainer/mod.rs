@@ -39,7 +39,8 @@ use tracing::Instrument;
 pub struct TrainerConfig {
     /// Which data stream this trainer reads (distinct per trainer).
     pub index: u64,
-    /// Microbatches in flight at once.
+    /// Microbatches in flight at once (without `sync_steps`, a microbatch's place is taken
+    /// by the next as its last backward goes out).
     pub concurrency: usize,
     /// Per-call timeout.
     pub call_timeout: Duration,
@@ -243,6 +244,7 @@ async fn run(
     };
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
     let sem = Arc::new(Semaphore::new(ctx.cfg.concurrency.max(1)));
+    let mut tasks = tokio::task::JoinSet::new();
     let mut counter: u64 = 0;
     let tag = derive_seed(ctx.cfg.index, &ctx.client.local_peer_id().to_string()) << 24;
     loop {
@@ -260,15 +262,16 @@ async fn run(
         counter += 1;
         let mb = tag ^ counter;
         let ctx2 = Arc::clone(&ctx);
-        tokio::spawn(
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(
             async move {
-                microbatch(&ctx2, mb, b).await;
-                drop(permit);
+                microbatch(&ctx2, mb, b, permit).await;
             }
             .instrument(tracing::debug_span!("microbatch", id = mb)),
         );
     }
-    let _ = sem.acquire_many(ctx.cfg.concurrency.max(1) as u32).await;
+    // Every microbatch to its end (a permit may be given back before it).
+    while tasks.join_next().await.is_some() {}
     refresher.abort();
 }
 
@@ -328,7 +331,13 @@ impl Drop for Owed<'_> {
     }
 }
 
-async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
+async fn microbatch(
+    ctx: &Ctx,
+    mb: u64,
+    b: crate::data::Batch,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let mut permit = Some(permit);
     let n = b.batch as u64;
     ctx.stats.fed.fetch_add(n, Ordering::Relaxed);
     let shape = (b.batch, b.seq_len);
@@ -364,6 +373,11 @@ async fn microbatch(ctx: &Ctx, mb: u64, b: crate::data::Batch) {
     let mut upstream = y;
     let mut stage0: Option<(PeerId, u64)> = None;
     for s in (0..=last).rev() {
+        if s == 0 && !ctx.cfg.sync_steps {
+            // Without waiting for steps, the next microbatch's first forward goes out with
+            // this one's last backward: the two cross the link at once.
+            permit.take();
+        }
         let ran_forward = owed.settle(s);
         let input = inputs[s].clone();
         let up = upstream.clone();
@@ -496,6 +510,7 @@ where
             r = call(peer, step).await;
         }
         let secs = t0.elapsed().as_secs_f64();
+        tracing::trace!(target: "shoal::trainer", stage = s, ms = secs * 1e3, "stage call");
         let pause = 'pause: {
             let Ok(mut table) = ctx.table.lock() else {
                 return Err("trainer state poisoned".into());
