@@ -876,6 +876,9 @@ async fn a_full_queue_answers_overloaded() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = three_stage(CodecSpec::F32);
     cfg.training.batch_size = 16;
+    // No step during the burst: a replica whose batch fills applies it, and calls made at
+    // the step before are then refused as stale, which is not what this test is about.
+    cfg.training.target_batch_size = Some(1 << 20);
     let (m, path) = manifest_file(&dir, &cfg);
     let mut pc = peer_config(RunSource::File(path), vec![], StageChoice::Index(1));
     pc.service.queue_cap = 1;
