@@ -69,6 +69,8 @@ pub(super) struct State {
     /// finishing its step (the leader got its reduced chunks first): joined once this
     /// replica applied its step, instead of ignored (which cost the attempt's timeout).
     pub(super) next_members: Option<NextMembers>,
+    /// The step of the last round attempt this replica joined (its frozen sum went out).
+    pub(super) joined: Option<u64>,
     pub(super) last_sent: Option<(u64, u64, u64, u64, String)>,
     pub(super) last_sent_at: Instant,
     pub(super) timers: plan::Timers,
@@ -397,6 +399,17 @@ impl State {
     async fn resync(&mut self, donors: &[PeerId]) {
         if donors.is_empty() {
             return;
+        }
+        // A sum frozen for this step that went to no round is in no update the donors
+        // applied: a replay would drop it unseen, so it is counted as dropped here.
+        let st = self.status();
+        if st.frozen_count > 0 && self.joined != Some(st.params_step) {
+            let step = st.params_step;
+            let n = self.service.replica().lock().await.drop_unsent(step);
+            self.service.refresh_status().await;
+            self.debug(|| {
+                format!("behind: dropped {n} samples frozen for {step}, sent to no round")
+            });
         }
         // Replaying the updates missed moves a twelfth of the state per step (int8):
         // first that, then the whole state if the donors do not keep them.

@@ -223,6 +223,7 @@ impl State {
         // A new attempt replaces any other.
         self.end_round(false);
         let layout = Layout::new(frozen.sum.len(), members.len(), frozen.sum.chunk());
+        self.joined = Some(step);
         self.round = Some(Round {
             step,
             attempt,

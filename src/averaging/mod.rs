@@ -396,6 +396,7 @@ impl Averager {
             frozen: None,
             early: Vec::new(),
             next_members: None,
+            joined: None,
             last_sent: None,
             last_sent_at: Instant::now(),
             timers: plan::Timers::default(),

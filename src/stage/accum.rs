@@ -74,6 +74,29 @@ impl Accum {
         }
     }
 
+    /// Empties it for parameters at `step` (the state was replaced); returns the samples
+    /// dropped.
+    pub(super) fn reset(&mut self, step: u64) -> u64 {
+        let dropped = self.count + self.frozen.as_ref().map_or(0, |f| f.count);
+        self.sum = None;
+        self.count = 0;
+        self.frozen = None;
+        self.params_step = step;
+        dropped
+    }
+
+    /// Drops the sum frozen for `step`, if that is the step frozen; returns its samples.
+    pub(super) fn drop_frozen(&mut self, step: u64) -> u64 {
+        match &self.frozen {
+            Some(f) if f.step == step => {
+                let n = f.count;
+                self.frozen = None;
+                n
+            }
+            _ => 0,
+        }
+    }
+
     /// Whether `mb` is new (and remembers it).
     pub(super) fn admit(&mut self, mb: u64) -> bool {
         if !self.seen.insert(mb) {

@@ -530,11 +530,7 @@ impl Replica {
         self.samples_lost = info.samples_lost;
         self.params_hash = hash_of(&self.stage)?;
         self.history = vec![(self.params_step, self.params_hash.clone())];
-        let mut a = self.acc();
-        a.sum = None;
-        a.count = 0;
-        a.frozen = None;
-        a.params_step = info.step;
+        self.acc().reset(info.step);
         Ok(info)
     }
 
@@ -580,17 +576,18 @@ impl Replica {
         self.params_hash = hash_of(&self.stage)?;
         self.history
             .push((self.params_step, self.params_hash.clone()));
-        let dropped = {
-            let mut a = self.acc();
-            let d = a.count + a.frozen.as_ref().map_or(0, |f| f.count);
-            a.sum = None;
-            a.count = 0;
-            a.frozen = None;
-            a.params_step = snap.step;
-            d
-        };
+        let dropped = self.acc().reset(snap.step);
         self.samples_dropped += dropped;
         Ok(dropped)
+    }
+
+    /// Drops the sum frozen for step `step` when no round took it (the replica froze it
+    /// when the step's batch was full, and the others applied the step without it): its
+    /// samples count as dropped. Returns them.
+    pub fn drop_unsent(&mut self, step: u64) -> u64 {
+        let n = self.acc().drop_frozen(step);
+        self.samples_dropped += n;
+        n
     }
 }
 

@@ -106,6 +106,23 @@ fn a_gradient_is_never_more_than_one_step_stale() -> TestResult {
     Ok(())
 }
 
+#[test]
+fn a_frozen_sum_no_round_took_is_counted_as_dropped() -> TestResult {
+    let (cfg, mut r) = one_stage()?;
+    let (x, y) = batch(&cfg, 3, 5)?;
+    r.backward(&x, Upstream::Targets(&y), 1)?;
+    r.freeze(0, 1000, &CodecSpec::F32)?;
+    r.backward(&x, Upstream::Targets(&y), 2)?;
+    // Another step's sum is not this one: nothing dropped.
+    assert_eq!(r.drop_unsent(1), 0);
+    assert_eq!((r.frozen_count(), r.samples_dropped()), (3, 0));
+    // Step 0's frozen samples are dropped and counted; those of step 1 stay.
+    assert_eq!(r.drop_unsent(0), 3);
+    assert_eq!((r.frozen_count(), r.samples_dropped()), (0, 3));
+    assert_eq!((r.accum_step(), r.accum_count()), (0, 3));
+    Ok(())
+}
+
 /// Sets the stage's parameters from one flat vector, in parameter order.
 fn set_params(r: &Replica, flat: &[f32]) -> TestResult {
     let mut at = 0;
