@@ -328,8 +328,6 @@ impl State {
         if self.round.is_some() {
             return;
         }
-        // A banned replica is in no view (forgotten when banned, its messages dropped
-        // while the ban lasts), so it is no member, leader or donor of this one.
         let mut st = st;
         if plan::batch_full(&self.input(&View::of(&st, now)), now, &self.cfg) {
             // Off the async threads: encoding a large stage's sum takes a while. A failed
@@ -341,6 +339,8 @@ impl State {
             st = self.status();
             self.heartbeat(&st);
         }
+        // A banned replica is in no view (forgotten when banned, its messages dropped
+        // while the ban lasts), so it is no member, leader or donor of this one.
         let mine = View::of(&st, Instant::now());
         let input = self.input(&mine);
         let (decision, timers) = plan::decide(&input, Instant::now(), &self.cfg);

@@ -56,9 +56,9 @@ impl World {
         }
     }
 
-    /// Decides at `now`, carrying the timers forward as the averager does.
-    fn decide(&mut self, now: Instant, cfg: &AveragerConfig) -> Decision {
-        let input = Input {
+    /// What a decision reads.
+    fn input(&self) -> Input<'_> {
+        Input {
             me: self.me,
             mine: &self.mine,
             views: &self.views,
@@ -67,25 +67,19 @@ impl World {
             looked_up: self.looked_up,
             behind_since: self.timers.behind_since,
             ready_since: self.timers.ready_since,
-        };
-        let (d, t) = decide(&input, now, cfg);
+        }
+    }
+
+    /// Decides at `now`, carrying the timers forward as the averager does.
+    fn decide(&mut self, now: Instant, cfg: &AveragerConfig) -> Decision {
+        let (d, t) = decide(&self.input(), now, cfg);
         self.timers = t;
         d
     }
 
     /// Whether this replica's step's batch is full as it knows it.
     fn full(&self, now: Instant, cfg: &AveragerConfig) -> bool {
-        let input = Input {
-            me: self.me,
-            mine: &self.mine,
-            views: &self.views,
-            known: &self.known,
-            started: self.t0,
-            looked_up: self.looked_up,
-            behind_since: None,
-            ready_since: None,
-        };
-        batch_full(&input, now, cfg)
+        batch_full(&self.input(), now, cfg)
     }
 }
 
