@@ -150,17 +150,21 @@ pub fn round_timeout(
 /// steps a quarter to a half larger than asked, and fewer).
 pub fn batch_full(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> bool {
     let mine = input.mine;
-    let s = mine.params_step;
-    if mine.accum_step != s || mine.count == 0 || mine.frozen > 0 {
-        return false;
-    }
+    let unfrozen = mine.accum_step == mine.params_step && mine.count > 0 && mine.frozen == 0;
+    unfrozen && known_total(input, now, cfg) >= cfg.target.max(1)
+}
+
+/// Samples held toward this replica's step by it and the live replicas at that step, as
+/// last heard.
+fn known_total(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> u64 {
+    let s = input.mine.params_step;
     let others: u64 = input
         .views
         .values()
         .filter(|v| v.is_live(now, cfg.live_timeout) && v.params_step == s)
         .map(|v| v.pending_at(s))
         .sum();
-    mine.count + others >= cfg.target.max(1)
+    input.mine.pending_at(s) + others
 }
 
 /// Decides what the averager does on this tick (no round in progress).
@@ -217,7 +221,7 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     if lead != input.me {
         return (Decision::Wait, timers);
     }
-    let total = mine.pending_at(s) + same.iter().map(|(_, v)| v.pending_at(s)).sum::<u64>();
+    let total = known_total(input, now, cfg);
     // Samples frozen for an abandoned attempt: the step's batch was full when its first
     // attempt began, so a retry goes ahead with what the live members hold (the rest went
     // with replicas that died or were banned, and later samples count toward the next step).
