@@ -17,9 +17,10 @@ use shoal::dht::Manifest;
 use shoal::model::{Stage, Upstream};
 use shoal::net::{self, keys, NetConfig, NetHandle};
 use shoal::stage::client::{exchange, CallError, StageClient};
-use shoal::stage::service::{Answer, Extension, Refusal};
+use shoal::stage::service::{Answer, Extension, Refusal, MAX_CALLER_LAG};
 use shoal::stage::{registry, STAGE_PROTOCOL};
 use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
+use shoal::train::{stage_checkpoint, train_local, LocalOptions};
 use shoal::wire::msg::{ErrorKind, Op, Request, HASH_PAGE, MSG_VERSION};
 use shoal::wire::{CodecSpec, Limits};
 use std::path::PathBuf;
@@ -876,8 +877,7 @@ async fn a_full_queue_answers_overloaded() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = three_stage(CodecSpec::F32);
     cfg.training.batch_size = 16;
-    // No step during the burst: a replica whose batch fills applies it, and calls made at
-    // the step before are then refused as stale, which is not what this test is about.
+    // No step during the burst: this test is about the queue, not about steps.
     cfg.training.target_batch_size = Some(1 << 20);
     let (m, path) = manifest_file(&dir, &cfg);
     let mut pc = peer_config(RunSource::File(path), vec![], StageChoice::Index(1));
@@ -914,6 +914,47 @@ async fn a_full_queue_answers_overloaded() {
     assert!(ok >= 1, "nothing was served");
     assert!(overloaded >= 1, "no request was refused as overloaded");
     assert_eq!(ok + overloaded + dropped, 12, "{results:?}");
+    p.stop().await.unwrap();
+}
+
+/// A caller's step is the one it last heard of. A trainer that never waits for steps hears
+/// late and is often a step or two behind: it is served. One far behind (it lost track of
+/// the run) is refused with `stale_step` and told the replica's step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_a_few_steps_behind_is_served_and_one_far_behind_is_told_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    // A replica at step 12: stage 1 of a local run's checkpoint.
+    let ckpt = dir.path().join("ckpt");
+    let local = LocalOptions {
+        steps: Some(12),
+        eval_batches: 1,
+        checkpoint: Some(ckpt.clone()),
+        ..LocalOptions::default()
+    };
+    train_local(&cfg, &local, &mut |_| {}).unwrap();
+    let (m, path) = manifest_file(&dir, &cfg);
+    let mut pc = peer_config(RunSource::File(path), vec![], StageChoice::Index(1));
+    pc.resume = Some(stage_checkpoint(&ckpt, 1));
+    let p = start(pc).await.unwrap();
+    let pid = p.net().local_peer_id();
+    let c = client(&p.addrs()[0], None).await;
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let x = Tensor::randn(0f32, 1.0, (2, 8, cfg.model.d_model), &Device::Cpu).unwrap();
+    let info = sc.info(pid, 1).await.unwrap();
+    assert_eq!(info.step, 12, "resumed at the checkpoint's step");
+    for behind in [0, 1, 2, MAX_CALLER_LAG] {
+        let out = sc.forward(pid, 1, 12 - behind, 2 + behind, &x).await;
+        assert!(out.is_ok(), "{behind} steps behind: {out:?}");
+    }
+    match sc.forward(pid, 1, 12 - MAX_CALLER_LAG - 1, 20, &x).await {
+        Err(CallError::Remote {
+            kind: ErrorKind::StaleStep,
+            step,
+            ..
+        }) => assert_eq!(step, 12),
+        other => panic!("a caller far behind was not told the step: {other:?}"),
+    }
     p.stop().await.unwrap();
 }
 

@@ -3,7 +3,7 @@
 //! checked (dtype, shape, the run's limits) before its payload is read; hand it to the
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
-use super::{lock, worker, Refusal, Reply, Shared, MAX_STALENESS};
+use super::{lock, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
 use crate::net::io::{self as netio, IoError};
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
 use crate::wire::WireError;
@@ -376,7 +376,7 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
     let step = shared.step();
     if matches!(req.op, Op::Forward | Op::Backward)
         && !req.dry
-        && req.step.saturating_add(MAX_STALENESS) < step
+        && req.step.saturating_add(MAX_CALLER_LAG) < step
     {
         return Some(refusal(
             shared,

@@ -38,8 +38,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
-/// How far behind the replica's step a caller may be.
-pub const MAX_STALENESS: u64 = 1;
+/// How far behind the replica's step a caller's forward or backward may be tagged before it
+/// is refused (`stale_step`, which tells the caller the step). A caller's step is the one
+/// it last heard of, and a trainer that never waits hears late: at a step every ~170 ms its
+/// next stage-0 forward was often two steps behind, and at 1 a
+/// fifth of the microbatches paid a refusal and a round trip on their way. The tag says
+/// nothing about a gradient's staleness — the replica computes at its own parameters and
+/// bounds that itself (`Replica::backward`) — so this only catches a caller that lost
+/// track of the run.
+pub const MAX_CALLER_LAG: u64 = 8;
 
 /// Knobs of a stage service.
 #[derive(Debug, Clone)]
