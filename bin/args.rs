@@ -189,6 +189,11 @@ pub struct SwarmTrainArgs {
     /// `round-robin` (a blind baseline for benchmarks).
     #[arg(long, default_value = "wiring", value_name = "HOW", hide = true)]
     pub routing: String,
+    /// Send the last stage its input through this trainer, instead of having the stage
+    /// before it push its output there directly (one link and one one-way latency more per
+    /// microbatch; for comparisons, and for swarms with peers older than pushes).
+    #[arg(long)]
+    pub no_push: bool,
     /// Seconds a stage call may take before the microbatch is swapped to another replica.
     #[arg(long, default_value_t = TrainerConfig::CALL_TIMEOUT.as_secs_f64(), value_name = "SECS")]
     pub call_timeout: f64,
@@ -421,6 +426,7 @@ pub fn trainer_config(a: &SwarmTrainArgs) -> Result<PeerConfig> {
     }
     cfg.trainer.max_microbatches = a.microbatches;
     cfg.trainer.routing = a.routing.parse().map_err(anyhow::Error::msg)?;
+    cfg.trainer.push = !a.no_push;
     cfg.trainer.call_timeout = Duration::from_secs_f64(a.call_timeout);
     cfg.trainer.data = a.data.clone();
     Ok(cfg)

@@ -67,6 +67,8 @@ fn request(op: Op, tensors: u8) -> Request {
         avg: None,
         chunk: None,
         dry: false,
+        push_to: None,
+        pushed: false,
     }
 }
 
@@ -109,6 +111,7 @@ fn requests() -> Vec<Request> {
         request(Op::Forward, 1),
         request(Op::Backward, 2),
         request(Op::Info, 0),
+        request(Op::Push, 1),
     ];
     for m in avg_msgs() {
         let mut r = request(Op::Avg, u8::from(matches!(m, AvgMsg::Part { .. })));

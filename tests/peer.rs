@@ -502,6 +502,8 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
         avg: None,
         chunk: None,
         dry: false,
+        push_to: None,
+        pushed: false,
     };
     let check_alive = || async {
         let out = sc
@@ -686,6 +688,8 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
         }),
         chunk: None,
         dry: false,
+        push_to: None,
+        pushed: false,
     };
     let message = |r: &Request, frames: &[Vec<u8>]| {
         let mut out = shoal::wire::msg::encode_header(r);
@@ -835,6 +839,8 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
         avg: None,
         chunk: None,
         dry: false,
+        push_to: None,
+        pushed: false,
     };
     let mut bytes = shoal::wire::msg::encode_header(&request);
     bytes.extend_from_slice(&(hidden.len() as u64).to_le_bytes());
@@ -915,6 +921,62 @@ async fn a_full_queue_answers_overloaded() {
     assert!(overloaded >= 1, "no request was refused as overloaded");
     assert_eq!(ok + overloaded + dropped, 12, "{results:?}");
     p.stop().await.unwrap();
+}
+
+/// A forward asked to push its output on: the next stage's replica gets it and answers
+/// the call that waited for it with only the targets sent, exactly as the plain way would.
+/// A push that cannot be delivered leaves the output in the forward's answer instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_pushes_its_output_to_the_next_stage_or_answers_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = three_stage(CodecSpec::F32);
+    // No step between the plain and the pushed pass: the same parameters for both.
+    cfg.training.target_batch_size = Some(1 << 20);
+    let (m, peers) = pipeline(&dir, &cfg).await;
+    let ids: Vec<PeerId> = peers.iter().map(|p| p.net().local_peer_id()).collect();
+    let c = client(&peers[0].addrs()[0], None).await;
+    for p in &peers {
+        c.add_addresses(p.net().local_peer_id(), p.addrs().to_vec())
+            .await
+            .unwrap();
+    }
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let (x, y) = batch(&cfg);
+    let a1 = sc.forward(ids[0], 0, 0, 1, &x).await.unwrap();
+    let a2 = sc.forward(ids[1], 1, 0, 1, &a1).await.unwrap();
+    let plain = sc.backward(ids[2], 2, 0, 1, &a2, &y).await.unwrap();
+    let (fwd, pushed) = tokio::join!(
+        sc.forward_pushing(ids[1], 1, 0, 2, &a1, ids[2]),
+        sc.backward_pushed(ids[2], 2, 0, 2, &y)
+    );
+    assert!(fwd.unwrap().0.is_none(), "the output went on, not back");
+    let pushed = pushed.unwrap();
+    assert_eq!(pushed.loss, plain.loss);
+    let flat = |t: &Option<Tensor>| {
+        t.as_ref()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(flat(&pushed.grad_input), flat(&plain.grad_input));
+    // Nobody to push to: the forward answers with its output.
+    let nobody = libp2p::identity::Keypair::generate_ed25519()
+        .public()
+        .to_peer_id();
+    let (out, _) = sc
+        .forward_pushing(ids[1], 1, 0, 3, &a1, nobody)
+        .await
+        .unwrap();
+    let back = out.expect("the output comes back when the push fails");
+    assert_eq!(
+        back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        a2.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    );
+    for p in peers {
+        p.stop().await.unwrap();
+    }
 }
 
 /// A caller's step is the one it last heard of. A trainer that never waits for steps hears

@@ -374,6 +374,8 @@ mod tests {
             }),
             chunk: None,
             dry: false,
+            push_to: None,
+            pushed: false,
         }
     }
 

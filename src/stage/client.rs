@@ -297,6 +297,8 @@ impl StageClient {
             avg: None,
             chunk: None,
             dry: false,
+            push_to: None,
+            pushed: false,
         }
     }
 
@@ -550,3 +552,6 @@ fn finite_reply(d: tensor::Decoded, what: &str) -> Result<Tensor, CallError> {
         )))
     }
 }
+
+#[path = "client_push.rs"]
+mod push;

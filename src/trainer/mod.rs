@@ -11,6 +11,8 @@
 //!   stage has had no usable replica for `stage_deadline`; it is then counted as failed with
 //!   its reason. Invariant: fed = completed + failed once the loop has stopped.
 
+mod call;
+mod push;
 mod refresh;
 pub mod report;
 pub mod routing;
@@ -22,12 +24,11 @@ use crate::data::{DataError, Sampler, TokenSource};
 use crate::dht::Manifest;
 use crate::net::NetHandle;
 use crate::rng::{derive_seed, Rng};
-use crate::stage::client::{CallError, StageClient};
-use crate::wire::msg::ErrorKind;
+use crate::stage::client::StageClient;
+use call::call_stage;
 use candle_core::{Device, Tensor};
 use libp2p::PeerId;
 use routing::ReplicaState;
-use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,6 +58,10 @@ pub struct TrainerConfig {
     pub sync_steps: bool,
     /// How replicas are picked.
     pub routing: Routing,
+    /// Have the stage before the last push its output straight to the last stage's
+    /// replica (one link and one one-way latency fewer per microbatch) instead of sending
+    /// it back through this trainer.
+    pub push: bool,
     /// This trainer's copy of the run's prepared data (the run's manifest names the
     /// creator's folder); refused unless tokenized with the run's tokenizer.
     pub data: Option<std::path::PathBuf>,
@@ -81,6 +86,7 @@ impl Default for TrainerConfig {
             max_microbatches: None,
             sync_steps: true,
             routing: Routing::Wiring,
+            push: true,
             data: None,
         }
     }
@@ -352,7 +358,26 @@ async fn microbatch(
     let mut inputs = vec![x];
     // Which replica ran each stage's forward, and the backward it is owed.
     let mut owed = Owed::new(ctx);
+    // The last stage's answer when its input was pushed there.
+    let mut pushed = None;
     for s in 0..last {
+        if s + 1 == last && ctx.cfg.push {
+            match push::into_last(ctx, s, mb, &inputs[s], &y, n, &mut owed).await {
+                Ok(push::Hop::Done(peer, reply)) => {
+                    pushed = Some((peer, reply));
+                    break;
+                }
+                Ok(push::Hop::Plain(Some(out))) => {
+                    inputs.push(out);
+                    continue;
+                }
+                // The forward runs again below, its output coming back this time.
+                Ok(push::Hop::Plain(None)) => {
+                    owed.settle(s);
+                }
+                Err(reason) => return fail(ctx, n, reason),
+            }
+        }
         let input = inputs[s].clone();
         let r = call_stage(ctx, s, None, n, |peer, step| {
             let c = ctx.client.clone();
@@ -379,14 +404,19 @@ async fn microbatch(
             permit.take();
         }
         let ran_forward = owed.settle(s);
-        let input = inputs[s].clone();
-        let up = upstream.clone();
-        let r = call_stage(ctx, s, ran_forward, n, |peer, step| {
-            let c = ctx.client.clone();
-            let (input, up) = (input.clone(), up.clone());
-            async move { c.backward(peer, s, step, mb, &input, &up).await }
-        })
-        .await;
+        let r = match pushed.take() {
+            Some(done) => Ok(done),
+            None => {
+                let input = inputs[s].clone();
+                let up = upstream.clone();
+                call_stage(ctx, s, ran_forward, n, |peer, step| {
+                    let c = ctx.client.clone();
+                    let (input, up) = (input.clone(), up.clone());
+                    async move { c.backward(peer, s, step, mb, &input, &up).await }
+                })
+                .await
+            }
+        };
         match r {
             Ok((peer, reply)) => {
                 if s == 0 {
@@ -424,153 +454,6 @@ async fn microbatch(
                 }
                 Err(_) => break,
             }
-        }
-    }
-}
-
-/// A short label of why a call is repeated elsewhere.
-fn swap_reason(e: &CallError) -> String {
-    match e {
-        CallError::Remote { kind, .. } => format!("refused ({kind})"),
-        CallError::Timeout(_) => "timed out".into(),
-        CallError::Io(_) => "stream broke".into(),
-        CallError::Net(_) => "unreachable".into(),
-        CallError::Wire(_) | CallError::Protocol(_) => "bad reply".into(),
-    }
-}
-
-/// Times a call is repeated after a `stale_step` answer before the replica counts as failing.
-const MAX_STALE_RETRIES: u32 = 3;
-
-/// Runs `call` on a replica of stage `s` (the preferred one when usable), swapping to
-/// another replica on failure until the stage deadline.
-async fn call_stage<T, F, Fut>(
-    ctx: &Ctx,
-    s: usize,
-    preferred: Option<PeerId>,
-    samples: u64,
-    call: F,
-) -> Result<(PeerId, T), String>
-where
-    F: Fn(PeerId, u64) -> Fut,
-    Fut: Future<Output = Result<T, CallError>>,
-{
-    let mut last_usable = Instant::now();
-    let mut last_err = String::from("no replica announced");
-    let mut first = true;
-    let mut stale = 0u32;
-    loop {
-        let now = Instant::now();
-        let pick = {
-            let Ok(mut table) = ctx.table.lock() else {
-                return Err("trainer state poisoned".into());
-            };
-            let row = &mut table[s];
-            let pref = preferred
-                .filter(|_| first)
-                .and_then(|p| row.iter().position(|(q, st)| *q == p && st.usable(now)));
-            let states: Vec<ReplicaState> = row.iter().map(|(_, st)| st.clone()).collect();
-            let idx =
-                pref.or_else(|| match ctx.cfg.routing {
-                    Routing::Wiring => ctx.rng.lock().ok().and_then(|mut rng| {
-                        routing::choose(&states, samples as f64, now, &mut rng)
-                    }),
-                    Routing::RoundRobin => {
-                        let turn = ctx.turns[s].fetch_add(1, Ordering::Relaxed);
-                        routing::round_robin(&states, now, turn)
-                    }
-                });
-            idx.map(|i| {
-                row[i].1.in_flight += 1;
-                row[i].0
-            })
-        };
-        first = false;
-        let Some(peer) = pick else {
-            if last_usable.elapsed() >= ctx.cfg.stage_deadline {
-                return Err(format!(
-                    "stage {s}: no usable replica for {:?} ({last_err})",
-                    ctx.cfg.stage_deadline
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        last_usable = Instant::now();
-        let step = ctx.stats.stage_steps[s].load(Ordering::Relaxed);
-        let t0 = Instant::now();
-        let mut r = call(peer, step).await;
-        // A stream that closes without an answer is usually libp2p-stream dropping an
-        // inbound stream under a burst, not a dead replica: ask the same replica again.
-        for _ in 0..2 {
-            if !matches!(&r, Err(CallError::Io(_))) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            r = call(peer, step).await;
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        tracing::trace!(target: "shoal::trainer", stage = s, ms = secs * 1e3, "stage call");
-        let pause = 'pause: {
-            let Ok(mut table) = ctx.table.lock() else {
-                return Err("trainer state poisoned".into());
-            };
-            let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
-            match r {
-                Ok(v) => {
-                    if let Some((_, st)) = entry {
-                        st.in_flight = st.in_flight.saturating_sub(1);
-                        st.observe(samples as f64, secs);
-                        if let Some(q) = ctx.client.counters().last_queue(&peer) {
-                            st.queue = q;
-                        }
-                    }
-                    return Ok((peer, v));
-                }
-                Err(e) => {
-                    if let CallError::Remote {
-                        kind: ErrorKind::StaleStep,
-                        step: theirs,
-                        ..
-                    } = &e
-                    {
-                        // We were behind: catch up and ask again, the replica is fine — a few
-                        // times, with a growing pause (a replica that keeps saying so is not).
-                        ctx.stats.stage_steps[s].fetch_max(*theirs, Ordering::Relaxed);
-                        stale += 1;
-                        if stale <= MAX_STALE_RETRIES {
-                            if let Some((_, st)) = entry {
-                                st.in_flight = st.in_flight.saturating_sub(1);
-                            }
-                            break 'pause Some(Duration::from_millis(5 << stale));
-                        }
-                    }
-                    if matches!(
-                        e.kind(),
-                        Some(ErrorKind::BadTensor | ErrorKind::NonFinite | ErrorKind::BadRequest)
-                    ) {
-                        if let Some((_, st)) = entry {
-                            st.in_flight = st.in_flight.saturating_sub(1);
-                        }
-                        return Err(format!("stage {s}: {e}"));
-                    }
-                    let ban = match e.kind() {
-                        Some(ErrorKind::Overloaded) => Duration::from_millis(200),
-                        _ => ctx.cfg.ban,
-                    };
-                    if let Some((_, st)) = entry {
-                        st.in_flight = st.in_flight.saturating_sub(1);
-                        st.banned_until = Some(Instant::now() + ban);
-                    }
-                    ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
-                    TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
-                    last_err = format!("{peer}: {e}");
-                    None
-                }
-            }
-        };
-        if let Some(p) = pause {
-            tokio::time::sleep(p).await;
         }
     }
 }

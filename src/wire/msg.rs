@@ -48,6 +48,10 @@ pub enum Op {
     /// step `chunk.step` to the next, one frame (exactly as every member applied it), and
     /// the update's description in `update`.
     StateUpdate,
+    /// `[input]` → no tensors: the output of the previous stage's forward of microbatch
+    /// `mb`, sent by that stage's replica (a forward with `push_to`) and held here for the
+    /// caller's request of the same microbatch marked `pushed`.
+    Push,
 }
 
 /// Chunk hashes per [`Op::StateHashes`] page: a page stays far below [`MAX_HEADER`], and
@@ -188,6 +192,14 @@ pub struct Request {
     /// the caller's step is not checked. Peers from before this field refuse it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dry: bool,
+    /// For [`Op::Forward`]: send the output to this replica of the next stage ([`Op::Push`])
+    /// instead of answering with it; the answer carries it only if that failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push_to: Option<String>,
+    /// For [`Op::Forward`] and [`Op::Backward`]: the input is not among the frames but
+    /// pushed by the previous stage's replica ([`Op::Push`]); the replica waits for it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pushed: bool,
 }
 
 /// Why a replica refused a request. Stable names: trainers branch on them.
@@ -435,6 +447,8 @@ mod tests {
             }),
             chunk: None,
             dry: false,
+            push_to: Some("12D3KooWPeer".into()),
+            pushed: true,
         };
         let bytes = encode_header(&r);
         let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);

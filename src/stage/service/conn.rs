@@ -3,7 +3,7 @@
 //! checked (dtype, shape, the run's limits) before its payload is read; hand it to the
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
-use super::{lock, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
+use super::{lock, push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
 use crate::net::io::{self as netio, IoError};
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
 use crate::wire::WireError;
@@ -73,7 +73,7 @@ async fn read_request(
     if let Some(r) = check(shared, &req) {
         return Ok(Read::Refused(r));
     }
-    let wants = shared.expect.wants(req.op);
+    let wants = shared.expect.wants_of(&req);
     let mut frames = Vec::with_capacity(req.tensors as usize);
     let mut held = Held {
         shared: Arc::clone(shared),
@@ -327,12 +327,23 @@ async fn serve_one(
         Op::Avg | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate => {
             extension(shared, peer, req, frames).await
         }
-        Op::Forward | Op::Backward => worker::queue_job(shared, req, frames).await,
+        Op::Push => match frames.into_iter().next() {
+            Some(f) => {
+                shared.inbox.put(req.mb, f);
+                shared.counters.served.fetch_add(1, Ordering::Relaxed);
+                Reply {
+                    header: ok(shared, 0),
+                    frames: Vec::new(),
+                }
+            }
+            None => refusal(shared, ErrorKind::BadRequest, "a push carries the input"),
+        },
+        Op::Forward | Op::Backward => compute(shared, req, frames).await,
     };
     let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
     let c = &shared.counters;
     match op {
-        Op::Forward | Op::Backward => {
+        Op::Forward | Op::Backward | Op::Push => {
             c.read_us.fetch_add(read_us, Ordering::Relaxed);
             c.stage_in.fetch_add(in_bytes, Ordering::Relaxed);
             c.stage_out.fetch_add(out_bytes, Ordering::Relaxed);
@@ -384,11 +395,22 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
             format!("caller is at step {}, this replica at {step}", req.step),
         ));
     }
-    let want = match req.op {
+    let base = match req.op {
         Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(req.op == Op::Forward)),
         Op::Backward => 2,
+        Op::Push => 1,
         Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate => 0,
     };
+    let want = push::frames_of(req.op, base, req.pushed);
+    if let Some(to) = &req.push_to {
+        if req.op != Op::Forward || req.dry || to.parse::<PeerId>().is_err() {
+            return Some(refusal(
+                shared,
+                ErrorKind::BadRequest,
+                "push_to takes a forward and a peer id",
+            ));
+        }
+    }
     if req.tensors != want {
         return Some(refusal(
             shared,
@@ -397,6 +419,43 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         ));
     }
     None
+}
+
+/// A forward or backward: its pushed input awaited when it has one, computed, and its
+/// output pushed on when asked (the answer keeps the output only if the push failed, so
+/// the caller can send it on itself).
+async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -> Reply {
+    if req.pushed {
+        match shared.inbox.take(req.mb, push::WAIT).await {
+            Some(f) => frames.insert(0, f),
+            None => {
+                return refusal(
+                    shared,
+                    ErrorKind::Overloaded,
+                    "the input pushed for this microbatch did not arrive; send it",
+                )
+            }
+        }
+    }
+    let (to, stage, step, mb) = (req.push_to.clone(), req.stage, req.step, req.mb);
+    let mut reply = worker::queue_job(shared, req, frames).await;
+    let Some(to) = to.and_then(|t| t.parse::<PeerId>().ok()) else {
+        return reply;
+    };
+    if reply.header.error.is_some() {
+        return reply;
+    }
+    if let Some(f) = reply.frames.first() {
+        let next = stage as usize + 1;
+        match shared.pusher.push(to, next, step, mb, f).await {
+            Ok(()) => {
+                reply.frames.clear();
+                reply.header.tensors = 0;
+            }
+            Err(e) => tracing::debug!(%to, "push of microbatch {mb} failed: {e}"),
+        }
+    }
+    reply
 }
 
 /// Hands a call to the registered extension (the averaging layer).

@@ -5,7 +5,7 @@
 
 use crate::averaging::round::PART_CHUNK;
 use crate::config::RunConfig;
-use crate::wire::msg::Op;
+use crate::wire::msg::{Op, Request};
 use crate::wire::{DType, Header, Limits};
 
 /// How much larger than the run's microbatch a tensor's batch dimension may be.
@@ -74,11 +74,23 @@ impl Expect {
             (Op::Backward, _, Want::Tokens) => &[Want::Hidden, Want::Tokens],
             (Op::Backward, _, _) => &[Want::Hidden, Want::Hidden],
             (Op::Avg, _, _) => &[Want::Part],
+            // The first stage's input comes from the trainer, never from a stage before it.
+            (Op::Push, Want::Tokens, _) => &[],
+            (Op::Push, _, _) => &[Want::Hidden],
             (
                 Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate,
                 _,
                 _,
             ) => &[],
+        }
+    }
+
+    /// The tensors `req` carries: those of its kind, less the input when it was pushed.
+    pub fn wants_of(&self, req: &Request) -> &'static [Want] {
+        let all = self.wants(req.op);
+        match (req.pushed, req.op) {
+            (true, Op::Forward | Op::Backward) => all.get(1..).unwrap_or(&[]),
+            _ => all,
         }
     }
 

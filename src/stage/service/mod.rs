@@ -10,6 +10,7 @@
 //! - [`counters`]: what the replica counts, and its cached training status.
 //! - `conn`: one inbound stream: read, check, dispatch, answer.
 //! - `worker`: the job queue and the compute thread.
+//! - [`push`]: activations a replica of the stage before pushes here, held for their call.
 //! - this module: the service handle and what it shares with those.
 //!
 //! Averaging messages and state download are not answered here: the averaging layer
@@ -18,6 +19,7 @@
 mod conn;
 pub mod counters;
 pub mod expect;
+pub mod push;
 mod worker;
 
 pub use counters::{CounterSnapshot, Counters, ReplicaStatus};
@@ -166,6 +168,10 @@ struct Shared {
     held: Mutex<std::collections::HashMap<PeerId, u64>>,
     /// That budget, resolved.
     peer_budget: u64,
+    /// Inputs pushed by replicas of the stage before.
+    inbox: push::Inbox,
+    /// Sends this replica's forward outputs on to the next stage when asked to.
+    pusher: super::client::StageClient,
 }
 
 impl Shared {
@@ -261,6 +267,12 @@ impl StageService {
             streams: Mutex::new(std::collections::HashMap::new()),
             held: Mutex::new(std::collections::HashMap::new()),
             peer_budget,
+            inbox: push::Inbox::default(),
+            pusher: super::client::StageClient::new(
+                net.clone(),
+                manifest.id.clone(),
+                manifest.config.codecs.activations,
+            ),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);

@@ -1,0 +1,124 @@
+//! Activations pushed from one stage to the next: a forward asked to `push_to` a replica of
+//! the next stage sends its output there ([`Op::Push`]) instead of back to its caller, and
+//! the caller's request to that replica, marked `pushed`, waits here for it. A microbatch's
+//! trip to the last stage then crosses three one-way latencies (trainer → stage s, s → s+1,
+//! s+1 → trainer) instead of four, and its activations one link instead of two.
+//!
+//! Held inputs are few and short-lived: at most [`HELD`] (the oldest go first) and none
+//! older than [`HELD_FOR`]. A push nobody asks for is dropped that way; a request whose
+//! push never comes is refused after [`WAIT`], and its caller sends the input itself.
+
+use crate::wire::msg::Op;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+
+/// Pushed inputs held at most.
+pub const HELD: usize = 256;
+
+/// How long a pushed input waits for its request.
+pub const HELD_FOR: Duration = Duration::from_secs(30);
+
+/// How long a `pushed` request waits for its input.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// Inputs pushed to this replica, by microbatch.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    held: Mutex<VecDeque<(u64, Vec<u8>, Instant)>>,
+    arrived: Notify,
+}
+
+impl Inbox {
+    /// Holds the input `frame` of microbatch `mb` (replacing one held for it).
+    pub fn put(&self, mb: u64, frame: Vec<u8>) {
+        let now = Instant::now();
+        {
+            let mut held = super::lock(&self.held);
+            held.retain(|(m, _, at)| *m != mb && now.duration_since(*at) < HELD_FOR);
+            while held.len() >= HELD {
+                held.pop_front();
+            }
+            held.push_back((mb, frame, now));
+        }
+        self.arrived.notify_waiters();
+    }
+
+    /// Takes the input pushed for `mb`, waiting for it at most `wait`.
+    pub async fn take(&self, mb: u64, wait: Duration) -> Option<Vec<u8>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before looking, so that a push between the look and the wait
+            // still wakes this one.
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            {
+                let mut held = super::lock(&self.held);
+                if let Some(i) = held.iter().position(|(m, _, _)| *m == mb) {
+                    return held.remove(i).map(|(_, f, _)| f);
+                }
+            }
+            if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+                return None;
+            }
+        }
+    }
+
+    /// Inputs held now.
+    pub fn len(&self) -> usize {
+        super::lock(&self.held).len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Tensors a request of kind `op` carries: `base` for its kind, less the input when it
+/// was pushed.
+pub fn frames_of(op: Op, base: u8, pushed: bool) -> u8 {
+    match (pushed, op) {
+        (true, Op::Forward | Op::Backward) => base.saturating_sub(1),
+        _ => base,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_request_gets_the_input_pushed_before_or_after_it_and_no_other() {
+        let inbox = std::sync::Arc::new(Inbox::default());
+        inbox.put(1, vec![1]);
+        assert_eq!(inbox.take(1, Duration::ZERO).await, Some(vec![1]));
+        assert_eq!(
+            inbox.take(1, Duration::from_millis(20)).await,
+            None,
+            "taken once"
+        );
+        let later = {
+            let inbox = std::sync::Arc::clone(&inbox);
+            tokio::spawn(async move { inbox.take(2, Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        inbox.put(3, vec![3]);
+        inbox.put(2, vec![2]);
+        assert_eq!(later.await.unwrap(), Some(vec![2]));
+        assert_eq!(inbox.len(), 1, "microbatch 3's input is still held");
+    }
+
+    #[test]
+    fn the_oldest_inputs_go_first_when_too_many_are_held() {
+        let inbox = Inbox::default();
+        for mb in 0..(HELD as u64 + 5) {
+            inbox.put(mb, vec![0]);
+        }
+        assert_eq!(inbox.len(), HELD);
+        let held = super::super::lock(&inbox.held);
+        assert_eq!(held.front().map(|e| e.0), Some(5));
+    }
+}

@@ -1,0 +1,200 @@
+//! One stage call with swap-in: the replica is picked (the preferred one when usable, else
+//! by the trainer's routing), the call made, and on failure the replica is avoided for a
+//! while and the call repeated on another until the stage deadline.
+
+use super::routing::{self, ReplicaState, Routing};
+use super::{Ctx, TrainerStats};
+use crate::stage::client::CallError;
+use crate::wire::msg::ErrorKind;
+use libp2p::PeerId;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// A short label of why a call is repeated elsewhere.
+pub(super) fn swap_reason(e: &CallError) -> String {
+    match e {
+        CallError::Remote { kind, .. } => format!("refused ({kind})"),
+        CallError::Timeout(_) => "timed out".into(),
+        CallError::Io(_) => "stream broke".into(),
+        CallError::Net(_) => "unreachable".into(),
+        CallError::Wire(_) | CallError::Protocol(_) => "bad reply".into(),
+    }
+}
+
+/// Times a call is repeated after a `stale_step` answer before the replica counts as failing.
+const MAX_STALE_RETRIES: u32 = 3;
+
+/// Picks a replica of stage `s` for a call of `samples` samples (`preferred` when usable,
+/// else by the trainer's routing) and counts the call in flight there.
+pub(super) fn pick(
+    ctx: &Ctx,
+    s: usize,
+    preferred: Option<PeerId>,
+    samples: u64,
+    now: Instant,
+) -> Result<Option<PeerId>, String> {
+    let Ok(mut table) = ctx.table.lock() else {
+        return Err("trainer state poisoned".into());
+    };
+    let row = &mut table[s];
+    let pref = preferred.and_then(|p| row.iter().position(|(q, st)| *q == p && st.usable(now)));
+    let states: Vec<ReplicaState> = row.iter().map(|(_, st)| st.clone()).collect();
+    let idx = pref.or_else(|| match ctx.cfg.routing {
+        Routing::Wiring => ctx
+            .rng
+            .lock()
+            .ok()
+            .and_then(|mut rng| routing::choose(&states, samples as f64, now, &mut rng)),
+        Routing::RoundRobin => {
+            let turn = ctx.turns[s].fetch_add(1, Ordering::Relaxed);
+            routing::round_robin(&states, now, turn)
+        }
+    });
+    Ok(idx.map(|i| {
+        row[i].1.in_flight += 1;
+        row[i].0
+    }))
+}
+
+/// A call to `peer` (stage `s`, picked by [`pick`]) ended outside [`call_stage`]: it took
+/// `secs` for `samples` samples when it succeeded; when it failed, the replica is avoided
+/// for `ban`.
+pub(super) fn settle(
+    ctx: &Ctx,
+    s: usize,
+    peer: PeerId,
+    samples: u64,
+    outcome: Result<f64, Duration>,
+) {
+    let Ok(mut table) = ctx.table.lock() else {
+        return;
+    };
+    if let Some((_, st)) = table[s].iter_mut().find(|(p, _)| *p == peer) {
+        st.in_flight = st.in_flight.saturating_sub(1);
+        match outcome {
+            Ok(secs) => {
+                st.observe(samples as f64, secs);
+                if let Some(q) = ctx.client.counters().last_queue(&peer) {
+                    st.queue = q;
+                }
+            }
+            Err(ban) => st.banned_until = Some(Instant::now() + ban),
+        }
+    }
+}
+
+/// How long a replica that failed a call with `e` is avoided (`ban`: the trainer's).
+pub(super) fn ban_for(e: &CallError, ban: Duration) -> Duration {
+    match e.kind() {
+        Some(ErrorKind::Overloaded) => Duration::from_millis(200),
+        _ => ban,
+    }
+}
+
+/// Runs `call` on a replica of stage `s` (the preferred one when usable), swapping to
+/// another replica on failure until the stage deadline.
+pub(super) async fn call_stage<T, F, Fut>(
+    ctx: &Ctx,
+    s: usize,
+    preferred: Option<PeerId>,
+    samples: u64,
+    call: F,
+) -> Result<(PeerId, T), String>
+where
+    F: Fn(PeerId, u64) -> Fut,
+    Fut: Future<Output = Result<T, CallError>>,
+{
+    let mut last_usable = Instant::now();
+    let mut last_err = String::from("no replica announced");
+    let mut first = true;
+    let mut stale = 0u32;
+    loop {
+        let now = Instant::now();
+        let pick = pick(ctx, s, preferred.filter(|_| first), samples, now)?;
+        first = false;
+        let Some(peer) = pick else {
+            if last_usable.elapsed() >= ctx.cfg.stage_deadline {
+                return Err(format!(
+                    "stage {s}: no usable replica for {:?} ({last_err})",
+                    ctx.cfg.stage_deadline
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        last_usable = Instant::now();
+        let step = ctx.stats.stage_steps[s].load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        let mut r = call(peer, step).await;
+        // A stream that closes without an answer is usually libp2p-stream dropping an
+        // inbound stream under a burst, not a dead replica: ask the same replica again.
+        for _ in 0..2 {
+            if !matches!(&r, Err(CallError::Io(_))) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            r = call(peer, step).await;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        tracing::trace!(target: "shoal::trainer", stage = s, ms = secs * 1e3, "stage call");
+        let pause = 'pause: {
+            let Ok(mut table) = ctx.table.lock() else {
+                return Err("trainer state poisoned".into());
+            };
+            let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
+            match r {
+                Ok(v) => {
+                    if let Some((_, st)) = entry {
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                        st.observe(samples as f64, secs);
+                        if let Some(q) = ctx.client.counters().last_queue(&peer) {
+                            st.queue = q;
+                        }
+                    }
+                    return Ok((peer, v));
+                }
+                Err(e) => {
+                    if let CallError::Remote {
+                        kind: ErrorKind::StaleStep,
+                        step: theirs,
+                        ..
+                    } = &e
+                    {
+                        // We were behind: catch up and ask again, the replica is fine — a few
+                        // times, with a growing pause (a replica that keeps saying so is not).
+                        ctx.stats.stage_steps[s].fetch_max(*theirs, Ordering::Relaxed);
+                        stale += 1;
+                        if stale <= MAX_STALE_RETRIES {
+                            if let Some((_, st)) = entry {
+                                st.in_flight = st.in_flight.saturating_sub(1);
+                            }
+                            break 'pause Some(Duration::from_millis(5 << stale));
+                        }
+                    }
+                    if matches!(
+                        e.kind(),
+                        Some(ErrorKind::BadTensor | ErrorKind::NonFinite | ErrorKind::BadRequest)
+                    ) {
+                        if let Some((_, st)) = entry {
+                            st.in_flight = st.in_flight.saturating_sub(1);
+                        }
+                        return Err(format!("stage {s}: {e}"));
+                    }
+                    let ban = ban_for(&e, ctx.cfg.ban);
+                    if let Some((_, st)) = entry {
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                        st.banned_until = Some(Instant::now() + ban);
+                    }
+                    ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
+                    TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
+                    last_err = format!("{peer}: {e}");
+                    None
+                }
+            }
+        };
+        if let Some(p) = pause {
+            tokio::time::sleep(p).await;
+        }
+    }
+}
