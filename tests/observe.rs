@@ -277,14 +277,20 @@ fn the_json_api_and_the_metrics_agree_with_the_swarm() {
     let mut peers: Vec<String> = want.iter().map(|(_, p)| p.clone()).collect();
     peers.sort();
     assert_eq!(linked, peers, "{v}");
-    assert!(
-        v["link_rates"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|r| r["out_per_s"].as_f64() > Some(0.0) && r["in_per_s"].as_f64() > Some(0.0)),
-        "{v}"
-    );
+    // Calls go out on both links; data comes back on the last stage's (the input
+    // gradients). Stage 0 pushes its activations on to stage 1, so only its answers'
+    // headers come back to the trainer.
+    let last = want
+        .iter()
+        .find(|(s, _)| *s == 1)
+        .map(|(_, p)| p.clone())
+        .unwrap();
+    for r in v["link_rates"].as_array().unwrap() {
+        assert!(r["out_per_s"].as_f64() > Some(0.0), "{v}");
+        if r["peer"].as_str() == Some(last.as_str()) {
+            assert!(r["in_per_s"].as_f64() > Some(0.0), "{v}");
+        }
+    }
     let links = v["self"]["links"].as_array().unwrap();
     assert_eq!(links.len(), 2, "{v}");
     let c = &v["self"]["compression"][0];
