@@ -155,6 +155,7 @@ fn responses() -> Vec<Response> {
         chunks: 2,
         start: 0,
         end: 10,
+        members: vec!["12D3KooWPeer".into()],
     });
     update.info = Some("{}".into());
     vec![

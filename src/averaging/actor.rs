@@ -414,7 +414,7 @@ impl State {
         // Replaying the updates missed moves a twelfth of the state per step (int8):
         // first that, then the whole state if the donors do not keep them.
         let replica = self.service.replica();
-        let replayed = updates::catch_up(&self.client, self.stage, donors, &replica).await;
+        let replayed = updates::catch_up(&self.client, self.stage, self.me, donors, &replica).await;
         if let Ok(n) = replayed {
             if n > 0 {
                 self.debug(|| format!("caught up by replaying {n} update(s)"));
@@ -445,7 +445,9 @@ impl State {
             if matches!(ok, Ok(Ok(()))) {
                 self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
                 // The download took time: replay what the donors applied meanwhile.
-                if let Ok(n) = updates::catch_up(&self.client, self.stage, donors, &replica).await {
+                if let Ok(n) =
+                    updates::catch_up(&self.client, self.stage, self.me, donors, &replica).await
+                {
                     self.stats.replays.fetch_add(n, Ordering::Relaxed);
                 }
                 self.service.refresh_status().await;

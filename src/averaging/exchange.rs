@@ -299,6 +299,7 @@ impl State {
             return;
         };
         let (step, lost, started, n) = (r.step, r.lost, r.started, self.n);
+        let members = r.members.clone();
         let took = started.elapsed();
         // Communication is over: the frozen sum is no longer needed.
         self.end_round(true);
@@ -314,7 +315,7 @@ impl State {
                 .map_err(|e| e.to_string())?;
             // Kept for replicas that catch up (losing it only costs them a download).
             if let Ok(mut l) = log.lock() {
-                if let Err(e) = l.record(step, total, lost, r.params_hash(), avg.chunks()) {
+                if let Err(e) = l.record(step, total, lost, r.params_hash(), &members, avg.chunks()) {
                     tracing::warn!(target: "shoal::averaging", step, "cannot keep the update for replay: {e}");
                 }
             }

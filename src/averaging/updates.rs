@@ -34,6 +34,8 @@ struct Entry {
     total: u64,
     lost: u64,
     hash: String,
+    /// The replicas whose sums it holds.
+    members: Vec<String>,
     file: File,
     /// Each chunk's range in the flat gradient, offset in the file and length.
     chunks: Vec<(Range<usize>, u64, usize)>,
@@ -57,6 +59,7 @@ impl UpdateLog {
         total: u64,
         lost: u64,
         hash: &str,
+        members: &[PeerId],
         chunks: &ReducedChunks,
     ) -> Result<(), LogError> {
         let dir = std::env::temp_dir();
@@ -76,6 +79,7 @@ impl UpdateLog {
             total,
             lost,
             hash: hash.to_string(),
+            members: members.iter().map(|m| m.to_string()).collect(),
             file,
             chunks: index,
         });
@@ -110,6 +114,7 @@ impl UpdateLog {
                 chunks: u32::try_from(e.chunks.len()).unwrap_or(u32::MAX),
                 start: range.start as u64,
                 end: range.end as u64,
+                members: e.members.clone(),
             },
             frame,
         ))
@@ -122,6 +127,7 @@ impl UpdateLog {
 pub async fn catch_up(
     client: &StageClient,
     stage: usize,
+    me: PeerId,
     donors: &[PeerId],
     replica: &Arc<tokio::sync::Mutex<Replica>>,
 ) -> Result<u64, LogError> {
@@ -149,11 +155,11 @@ pub async fn catch_up(
                 chunks.push((ci.start as usize..ci.end as usize, Arc::new(f)));
             }
             let r = Arc::clone(replica);
+            let me = me.to_string();
             let done = tokio::task::spawn_blocking(move || {
                 let mut r = r.blocking_lock();
                 let frames = Frames::new(chunks, r.stage().params().numel())?;
-                r.replay(step, &frames, info.total, info.lost, &info.hash)
-                    .map_err(|e| e.to_string())
+                replay_update(&mut r, &me, &info, &frames).map(|_| ())
             })
             .await
             .map_err(|e| e.to_string())?;
@@ -165,12 +171,35 @@ pub async fn catch_up(
     }
 }
 
+/// Replays the update `info` describes (`frames`) onto `r`, a replica with peer id `me`.
+/// A sum `r` froze for that step that the update's members leave out (the round went on
+/// without it: an attempt it joined was abandoned and retried without it) is in no update
+/// anyone applied, so it is counted as dropped first instead of vanishing in the replay.
+/// Returns the samples dropped.
+pub fn replay_update(
+    r: &mut Replica,
+    me: &str,
+    info: &UpdateInfo,
+    frames: &Frames,
+) -> Result<u64, LogError> {
+    let left_out = !info.members.is_empty() && !info.members.iter().any(|m| m == me);
+    let dropped = if left_out {
+        r.drop_unsent(info.step)
+    } else {
+        0
+    };
+    r.replay(info.step, frames, info.total, info.lost, &info.hash)
+        .map_err(|e| e.to_string())?;
+    Ok(dropped)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::RunConfig;
-    use crate::model::Stage;
+    use crate::model::{Stage, Upstream};
     use crate::wire::{self, CodecSpec};
+    use candle_core::Device;
 
     fn replica() -> Replica {
         let cfg = RunConfig::tiny();
@@ -196,7 +225,7 @@ mod tests {
         let frames = Frames::new(chunks.clone(), n).unwrap();
         a.apply(0, &frames, 16, 2).unwrap();
         let mut log = UpdateLog::default();
-        log.record(0, 16, 2, a.params_hash(), frames.chunks())
+        log.record(0, 16, 2, a.params_hash(), &[], frames.chunks())
             .unwrap();
         // Served chunk by chunk, as a catching-up replica fetches it.
         let (info, first) = log.chunk(0, 0).unwrap();
@@ -219,8 +248,47 @@ mod tests {
         assert!(c.replay(0, &replayed, 16, 2, "0000000000000000").is_err());
         // Only the newest few are kept.
         for s in 1..=(KEPT as u64 + 2) {
-            log.record(s, 1, 0, "h", frames.chunks()).unwrap();
+            log.record(s, 1, 0, "h", &[], frames.chunks()).unwrap();
         }
         assert!(log.chunk(0, 0).is_err() && log.chunk(KEPT as u64 + 2, 0).is_ok());
+    }
+
+    /// Found by reading, not by a failing run: a replica that joined a round attempt the
+    /// others then completed without it held a frozen sum the replay discarded, uncounted.
+    #[test]
+    fn a_frozen_sum_an_update_left_out_is_counted_as_dropped_in_the_replay() {
+        let cfg = RunConfig::tiny();
+        let (b, t, d) = (3, cfg.model.seq_len, cfg.model.d_model);
+        let x = candle_core::Tensor::zeros((b, t), candle_core::DType::U32, &Device::Cpu).unwrap();
+        let g = candle_core::Tensor::ones((b, t, d), candle_core::DType::F32, &Device::Cpu)
+            .unwrap()
+            .affine(1e-3, 0.0)
+            .unwrap();
+        let (me, other) = (PeerId::random(), PeerId::random());
+        let mut donor = replica();
+        let n = donor.stage().params().numel();
+        let zeros = vec![0f32; n];
+        let mut f = Vec::new();
+        wire::encode_f32(&[n], &zeros, &CodecSpec::F32, &mut f).unwrap();
+        let chunks: ReducedChunks = vec![(0..n, Arc::new(f))];
+        let frames = Frames::new(chunks, n).unwrap();
+        donor.apply(0, &frames, 8, 0).unwrap();
+        for (members, dropped) in [(vec![other], b as u64), (vec![other, me], 0)] {
+            let mut log = UpdateLog::default();
+            log.record(0, 8, 0, donor.params_hash(), &members, frames.chunks())
+                .unwrap();
+            let (info, _) = log.chunk(0, 0).unwrap();
+            let mut r = replica();
+            r.backward(&x, Upstream::Grad(&g), 1).unwrap();
+            r.freeze(0, 1000, &CodecSpec::F32).unwrap();
+            assert_eq!(r.frozen_count(), b as u64);
+            let got = replay_update(&mut r, &me.to_string(), &info, &frames).unwrap();
+            assert_eq!(
+                (got, r.samples_dropped()),
+                (dropped, dropped),
+                "{members:?}"
+            );
+            assert_eq!(r.params_hash(), donor.params_hash());
+        }
     }
 }

@@ -279,8 +279,14 @@ impl Ctx {
         if synced.is_some() {
             // The download took time: replay what the donors applied meanwhile, so the
             // replica starts at their step.
-            let _ =
-                crate::averaging::updates::catch_up(&client, stage_idx, &donors, &replica).await;
+            let _ = crate::averaging::updates::catch_up(
+                &client,
+                stage_idx,
+                client.local_peer_id(),
+                &donors,
+                &replica,
+            )
+            .await;
         }
         let service = Arc::new(StageService::start(
             &self.net,

@@ -304,6 +304,9 @@ pub struct UpdateInfo {
     pub start: u64,
     /// See `start`.
     pub end: u64,
+    /// The replicas whose sums it holds (peer ids); empty from peers before this field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<String>,
 }
 
 /// A typed refusal.
