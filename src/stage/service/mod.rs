@@ -272,7 +272,8 @@ impl StageService {
                 net.clone(),
                 manifest.id.clone(),
                 manifest.config.codecs.activations,
-            ),
+            )
+            .with_timeout(push::SEND_TIMEOUT),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);

@@ -23,6 +23,11 @@ pub const HELD_FOR: Duration = Duration::from_secs(30);
 /// How long a `pushed` request waits for its input.
 pub const WAIT: Duration = Duration::from_secs(10);
 
+/// How long a push may take before the forward answers with its output instead: well
+/// under a trainer's call timeout, so that a hung next replica costs the trainer a
+/// fallback, not a timeout that would blame this replica.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Inputs pushed to this replica, by microbatch.
 #[derive(Debug, Default)]
 pub struct Inbox {
