@@ -435,17 +435,8 @@ impl StageClient {
         let (header, frames) = self
             .call(peer, req, &[frames[0].as_slice(), frames[1].as_slice()])
             .await?;
-        let grad_input = match frames.first() {
-            Some(f) => Some(finite_reply(
-                tensor::decode(f, &self.limits, &self.device)?,
-                "backward",
-            )?),
-            None => None,
-        };
         self.count_raw(&[input, upstream]);
-        if let Some(g) = &grad_input {
-            self.count_raw(&[g]);
-        }
+        let grad_input = self.reply_tensor(&frames, "backward")?;
         Ok(BackwardReply {
             loss: header.loss,
             grad_input,
@@ -538,6 +529,19 @@ impl StageClient {
     pub async fn info(&self, peer: PeerId, stage: usize) -> Result<Response, CallError> {
         let req = self.request(stage, 0, 0, Op::Info, 0);
         Ok(self.call(peer, &req, &[]).await?.0)
+    }
+}
+
+impl StageClient {
+    /// The tensor a reply may carry (its first frame), decoded, refused when not finite,
+    /// and counted.
+    fn reply_tensor(&self, frames: &[Vec<u8>], what: &str) -> Result<Option<Tensor>, CallError> {
+        let Some(f) = frames.first() else {
+            return Ok(None);
+        };
+        let t = finite_reply(tensor::decode(f, &self.limits, &self.device)?, what)?;
+        self.count_raw(&[&t]);
+        Ok(Some(t))
     }
 }
 

@@ -2,7 +2,7 @@
 //! output goes on to a replica of the next stage, the request there that waits for it, and
 //! the push itself between the two replicas.
 
-use super::{finite_reply, BackwardReply, CallError, StageClient};
+use super::{BackwardReply, CallError, StageClient};
 use crate::stage::tensor;
 use crate::wire::msg::{Op, Request};
 use candle_core::Tensor;
@@ -28,15 +28,7 @@ impl StageClient {
         let frame = tensor::encode(input, &self.codec)?;
         let (header, frames) = self.call(peer, &req, &[frame.as_slice()]).await?;
         self.count_raw(&[input]);
-        let out = match frames.first() {
-            Some(f) => {
-                let out = finite_reply(tensor::decode(f, &self.limits, &self.device)?, "forward")?;
-                self.count_raw(&[&out]);
-                Some(out)
-            }
-            None => None,
-        };
-        Ok((out, header.step))
+        Ok((self.reply_tensor(&frames, "forward")?, header.step))
     }
 
     /// Backward through `stage` on `peer` of microbatch `mb`, whose input the previous
@@ -56,14 +48,7 @@ impl StageClient {
         let frame = tensor::encode(upstream, &self.codec)?;
         let (header, frames) = self.call(peer, &req, &[frame.as_slice()]).await?;
         self.count_raw(&[upstream]);
-        let grad_input = match frames.first() {
-            Some(f) => {
-                let g = finite_reply(tensor::decode(f, &self.limits, &self.device)?, "backward")?;
-                self.count_raw(&[&g]);
-                Some(g)
-            }
-            None => None,
-        };
+        let grad_input = self.reply_tensor(&frames, "backward")?;
         Ok(BackwardReply {
             loss: header.loss,
             grad_input,
