@@ -856,7 +856,19 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
         st.flush().await.unwrap();
         stalled.push(st);
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Wait until the replica has read both frames' headers (on a loaded machine that may
+    // take longer than any fixed sleep).
+    let svc = p.service().unwrap();
+    let me = greedy.local_peer_id();
+    let t0 = std::time::Instant::now();
+    while svc.held_bytes(&me) < 2 * hidden.len() as u64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the stalled requests were not read: {} bytes held",
+            svc.held_bytes(&me)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let x = Tensor::randn(0f32, 1.0, (2, 8, d), &Device::Cpu).unwrap();
     let sc = StageClient::new(greedy.clone(), m.id.clone(), CodecSpec::F32);
     let e = sc.forward(pid, 1, 0, 2, &x).await.unwrap_err();

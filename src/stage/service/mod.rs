@@ -338,6 +338,12 @@ impl StageService {
         self.shared.queue.load(Ordering::Relaxed)
     }
 
+    /// Frame bytes of requests being read or waiting, held against `peer`'s byte budget
+    /// ([`ServiceConfig::max_bytes_per_peer`]).
+    pub fn held_bytes(&self, peer: &PeerId) -> u64 {
+        lock(&self.shared.held).get(peer).copied().unwrap_or(0)
+    }
+
     /// Queue capacity.
     pub fn queue_cap(&self) -> u32 {
         self.shared.cfg.queue_cap as u32
