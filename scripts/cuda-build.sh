@@ -17,12 +17,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${CUDA_VENV:-$HOME/.cache/shoal-cuda}
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
-export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13040}
+export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-$(echo "${CUDA_WHEELS:-13.0}" | awk -F. '{printf "%d%02d0", $1, $2}')}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q --disable-pip-version-check nvidia-cuda-nvcc nvidia-cuda-runtime \
-  nvidia-cublas nvidia-curand nvidia-cuda-cccl nvidia-cuda-nvrtc
+# The toolkit's minor version must not be newer than the driver's where the binary runs:
+# candle's kernels travel as PTX, which a driver refuses from a newer nvcc. 13.0 suits
+# drivers 580+; CUDA_WHEELS=13.4 (say) for newer drivers.
+CV=${CUDA_WHEELS:-13.0}
+"$VENV/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvcc==$CV.*" \
+  "nvidia-cuda-runtime==$CV.*" "nvidia-cublas==$CV.*" "nvidia-curand==10.4.0.*" \
+  "nvidia-cuda-cccl==$CV.*" "nvidia-cuda-nvrtc==$CV.*" "nvidia-nvvm==$CV.*" "nvidia-cuda-crt==$CV.*"
 ROOT=$("$VENV/bin/python" - <<'PY'
 import glob, os, nvidia
 for base in nvidia.__path__:

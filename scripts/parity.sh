@@ -15,22 +15,34 @@
 # ~/.cache/shoal-torch, several GB with the CUDA libraries PyPI's torch depends on); it is a
 # development tool here, not a dependency of shoal. Without a TEXT_FILE, the text is this
 # machine's documentation (as ../shared/checks/real-run.sh uses).
+#
+# Elsewhere (scripts/gpu-check.sh): DEVICE=cuda:0 runs both on a GPU; PYTHON names a python
+# that already has torch and xxhash (no virtualenv then); SHOAL a prebuilt binary (no cargo
+# build); D_MODEL, LAYERS, HEADS, KV_HEADS, SEQ, BATCH change the shape.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-300}
 THREADS=${THREADS:-2}
 OUT=${OUT:-parity.json}
+DEVICE=${DEVICE:-cpu}
 VENV=${TORCH_VENV:-$HOME/.cache/shoal-torch}
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 
-if ! "$VENV/bin/python" -c 'import torch, xxhash' 2>/dev/null; then
-  echo "installing torch and xxhash into $VENV (once)" >&2
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check torch xxhash
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+else
+  PY=$VENV/bin/python
+  if ! "$PY" -c 'import torch, xxhash' 2>/dev/null; then
+    echo "installing torch and xxhash into $VENV (once)" >&2
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --disable-pip-version-check torch xxhash
+  fi
 fi
-cargo build --release --quiet
-SHOAL=target/release/shoal
+if [ -z "${SHOAL:-}" ]; then
+  cargo build --release --quiet
+  SHOAL=target/release/shoal
+fi
 
 TEXT=${1:-}
 if [ -z "$TEXT" ]; then
@@ -44,15 +56,15 @@ TEXT=$(realpath "$TEXT")
 
 config() {  # FAMILY
   local extra=""
-  [ "$1" = llama ] && extra=$'family = "llama"\nn_kv_heads = 2'
+  [ "$1" = llama ] && extra=$'family = "llama"\nn_kv_heads = '"${KV_HEADS:-2}"
   cat <<EOF
 [model]
 $extra
 vocab = 256
-d_model = 64
-n_layers = 4
-n_heads = 4
-seq_len = 64
+d_model = ${D_MODEL:-64}
+n_layers = ${LAYERS:-4}
+n_heads = ${HEADS:-4}
+seq_len = ${SEQ:-64}
 seed = 1
 [stages]
 count = 1
@@ -63,7 +75,7 @@ min_lr_ratio = 1.0
 weight_decay = 0.01
 grad_clip = 0.0
 [training]
-batch_size = 16
+batch_size = ${BATCH:-16}
 steps = $STEPS
 [data]
 source = "text"
@@ -74,10 +86,10 @@ EOF
 echo "[]" >"$W/rows.json"
 for fam in gpt llama; do
   config "$fam" >"$W/$fam.toml"
-  "$SHOAL" train --local --config "$W/$fam.toml" --threads "$THREADS" --events "$W/$fam.events" >"$W/$fam.log" 2>&1 \
+  "$SHOAL" train --local --config "$W/$fam.toml" --threads "$THREADS" --device "$DEVICE" --events "$W/$fam.events" >"$W/$fam.log" 2>&1 \
     || { echo "shoal train failed: $(tail -1 "$W/$fam.log")" >&2; exit 1; }
-  "$VENV/bin/python" scripts/parity.py "$W/$fam.toml" --threads "$THREADS" --json "$W/$fam.torch.json" >/dev/null \
-    || { echo "the PyTorch reference failed" >&2; exit 1; }
+  "$PY" scripts/parity.py "$W/$fam.toml" --threads "$THREADS" --device "$DEVICE" --json "$W/$fam.torch.json" >"$W/$fam.torch.log" 2>&1 \
+    || { echo "the PyTorch reference failed: $(tail -1 "$W/$fam.torch.log")" >&2; exit 1; }
   python3 - "$fam" "$W/$fam.events" "$W/$fam.torch.json" "$W/rows.json" <<'PY'
 import json, sys
 fam, events, ref, rows = sys.argv[1:]

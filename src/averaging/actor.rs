@@ -71,6 +71,9 @@ pub(super) struct State {
     pub(super) next_members: Option<NextMembers>,
     /// The step of the last round attempt this replica joined (its frozen sum went out).
     pub(super) joined: Option<u64>,
+    /// The members of the last round this replica completed (sorted): the next round's
+    /// members while none joins or leaves ([`plan::expected_members`]).
+    pub(super) last_members: Vec<PeerId>,
     pub(super) last_sent: Option<(u64, u64, u64, u64, String)>,
     pub(super) last_sent_at: Instant,
     pub(super) timers: plan::Timers,
@@ -338,6 +341,23 @@ impl State {
             self.debug(|| format!("step {step}'s batch is full: froze {}", st.accum_count));
             st = self.status();
             self.heartbeat(&st);
+            // Not the leader, and the leader will lead the last round's members: start
+            // that attempt now rather than when its `Members` arrives.
+            let mine = View::of(&st, Instant::now());
+            let expected = plan::expected_members(
+                &self.input(&mine),
+                &self.last_members,
+                Instant::now(),
+                &self.cfg,
+            );
+            if let Some(members) = expected.filter(|m| {
+                m.first() != Some(&self.me) && self.left_lost == 0 && self.joined != Some(step)
+            }) {
+                let attempt = plan::first_attempt(step);
+                self.debug(|| format!("round {step}/{attempt}: the last round's members, not waiting for the leader"));
+                self.on_members(step, attempt, members, 0).await;
+                return;
+            }
         }
         // A banned replica is in no view (forgotten when banned, its messages dropped
         // while the ban lasts), so it is no member, leader or donor of this one.
@@ -363,7 +383,13 @@ impl State {
                     self.views.remove(&p);
                     self.known.retain(|k| *k != p);
                 }
-                let attempt = self.rng.next_u64() as u32;
+                // The attempt the others may have started already, if it is that one.
+                let first = lost == 0 && members == self.last_members && self.joined != Some(step);
+                let attempt = if first {
+                    plan::first_attempt(step)
+                } else {
+                    plan::other_attempt(self.rng.next_u64())
+                };
                 self.debug(|| format!("round {step}/{attempt} members {}", members.len()));
                 let msg = AvgMsg::Members {
                     step,

@@ -300,6 +300,7 @@ impl State {
         };
         let (step, lost, started, n) = (r.step, r.lost, r.started, self.n);
         let members = r.members.clone();
+        let members_done = members.clone();
         let took = started.elapsed();
         // Communication is over: the frozen sum is no longer needed.
         self.end_round(true);
@@ -324,6 +325,7 @@ impl State {
         .await;
         match applied {
             Ok(Ok(())) => {
+                self.last_members = members_done;
                 self.debug(|| {
                     format!(
                         "applied {step}: averaged in {:.1} ms, applied after {:.1} ms, {total} samples",

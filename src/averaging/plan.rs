@@ -124,6 +124,48 @@ pub fn leader(me: PeerId, same: &[(PeerId, &View)]) -> PeerId {
         .unwrap_or(me)
 }
 
+/// The attempt number of a step's first attempt when its members are those of the last
+/// completed round and no samples were lost ([`expected_members`]): odd, and derived from
+/// the step alone, so a replica that is not the leader can start it without waiting for
+/// the leader's `Members`. Every other attempt's number is even ([`other_attempt`]).
+pub fn first_attempt(step: u64) -> u32 {
+    crate::rng::mix64(step) as u32 | 1
+}
+
+/// An attempt number from `random` that is never a [`first_attempt`].
+pub fn other_attempt(random: u64) -> u32 {
+    random as u32 & !1
+}
+
+/// The members of this replica's step's round when it can start the first attempt itself
+/// (as [`first_attempt`], with no samples lost) right after freezing its sum, instead of a
+/// one-way latency later when the leader's `Members` arrives: the members of the last
+/// round it completed (`last`, itself among them) are all live and at its step, and no
+/// other replica is live or died at that step, so the leader will lead exactly them.
+/// Wrong guesses cost only bandwidth: the leader then leads another attempt, which
+/// replaces this one.
+pub fn expected_members(
+    input: &Input<'_>,
+    last: &[PeerId],
+    now: Instant,
+    cfg: &AveragerConfig,
+) -> Option<Vec<PeerId>> {
+    let s = input.mine.params_step;
+    if last.len() < 2 || !last.contains(&input.me) {
+        return None;
+    }
+    let all_here = last.iter().filter(|p| **p != input.me).all(|p| {
+        input
+            .views
+            .get(p)
+            .is_some_and(|v| v.is_live(now, cfg.live_timeout) && v.params_step == s)
+    });
+    let strangers = input.views.iter().any(|(p, v)| {
+        !last.contains(p) && (v.is_live(now, cfg.live_timeout) || v.params_step <= s)
+    });
+    (all_here && !strangers).then(|| last.to_vec())
+}
+
 /// How long a round of `members` members may take: four times the bytes each member
 /// moves (its parts to the others and its reduced part to them: about 2(k−1)/k of the
 /// encoded gradient of `gradient_bytes`) over the slowest measured uplink among them

@@ -303,3 +303,58 @@ fn a_replica_freezes_its_step_once_the_batch_it_knows_of_is_full() {
     w.mine.accum_step = 5;
     assert!(!w.full(now, &c));
 }
+
+#[test]
+fn first_attempts_are_the_steps_own_and_never_another_attempts_number() {
+    let firsts: Vec<u32> = (0..1000).map(first_attempt).collect();
+    assert!(firsts.iter().all(|a| a % 2 == 1));
+    assert_eq!(firsts[7], first_attempt(7), "derived from the step alone");
+    let distinct: std::collections::HashSet<u32> = firsts.iter().copied().collect();
+    assert!(
+        distinct.len() > 990,
+        "steps share first attempts: {}",
+        distinct.len()
+    );
+    let mut rng = crate::rng::Rng::new(3);
+    assert!((0..1000).all(|_| other_attempt(rng.next_u64()) % 2 == 0));
+}
+
+#[test]
+fn a_replica_expects_the_last_rounds_members_only_while_none_joined_left_or_lags() {
+    let t0 = Instant::now();
+    let now = t0 + Duration::from_millis(10);
+    let c = cfg(32);
+    let p = peers(4);
+    let last = vec![p[0], p[1], p[2]];
+    let mut w = World::new(p[1], view(5, 20, "h", t0), t0);
+    // Nothing to expect before a round completed, or when this replica was not in it.
+    assert_eq!(expected_members(&w.input(), &[], now, &c), None);
+    w.hear(p[0], view(5, 10, "h", t0));
+    w.hear(p[2], view(5, 4, "h", t0));
+    assert_eq!(expected_members(&w.input(), &[p[0], p[2]], now, &c), None);
+    assert_eq!(
+        expected_members(&w.input(), &last, now, &c),
+        Some(last.clone())
+    );
+    // A member still at the step before: the leader may wait for it.
+    w.hear(p[2], view(4, 4, "h", t0));
+    assert_eq!(expected_members(&w.input(), &last, now, &c), None);
+    w.hear(p[2], view(5, 4, "h", t0));
+    // A member not heard from for longer than the live timeout.
+    let late = t0 + c.live_timeout + Duration::from_millis(1);
+    w.hear(p[0], view(5, 10, "h", late));
+    assert_eq!(expected_members(&w.input(), &last, late, &c), None);
+    w.hear(p[0], view(5, 10, "h", t0));
+    // A replica that was not in the last round: the leader leads it too.
+    w.hear(p[3], view(5, 0, "h", t0));
+    assert_eq!(expected_members(&w.input(), &last, now, &c), None);
+    // One that died at this step: its samples are lost, which the leader counts.
+    let later = t0 + c.live_timeout + Duration::from_millis(1);
+    w.hear(p[3], view(5, 3, "h", t0));
+    w.hear(p[0], view(5, 10, "h", later));
+    w.hear(p[2], view(5, 4, "h", later));
+    assert_eq!(expected_members(&w.input(), &last, later, &c), None);
+    // One that died at a later step lost nothing of this one, and is no member.
+    w.hear(p[3], view(6, 3, "h", t0));
+    assert_eq!(expected_members(&w.input(), &last, later, &c), Some(last));
+}

@@ -6,18 +6,61 @@
 //! a model can learn the source in stages (bigram, then trigram) instead of all at once. The stationary distribution over contexts is found
 //! by iterating the (lazy) chain to convergence, which gives the entropy rate — the best
 //! loss any model can reach — without sampling.
+//!
+//! That needs a table of every context's successors: V² rows. Above [`TABLE_CONTEXTS`]
+//! contexts (a vocabulary over 4096, such as GPT-2's 50257, whose table would take
+//! hundreds of GB), each row is derived when it is needed from the seed and the context
+//! instead, the first context is drawn uniformly, and the entropy rate is not known.
 
 use crate::rng::{derive_seed, Rng};
+
+/// Contexts (V²) up to which the successors are tabled and the entropy rate computed.
+pub const TABLE_CONTEXTS: usize = 1 << 24;
 
 /// An order-2 Markov token source.
 #[derive(Debug, Clone)]
 pub struct MarkovSource {
     vocab: usize,
     /// Per context `a·V + b`: the possible next tokens and their cumulative probabilities.
+    /// Empty when the rows are derived ([`Derived`]).
     next: Vec<Vec<(u32, f64)>>,
-    /// Stationary probability of each context, and its cumulative sum for sampling.
+    /// Stationary probability of each context, and its cumulative sum for sampling (empty
+    /// when the rows are derived).
     stationary: Vec<f64>,
     stationary_cum: Vec<f64>,
+    derived: Option<Derived>,
+}
+
+/// The rows of a source too large to table: each context's row is drawn from a generator
+/// seeded by the source's seed and the context.
+#[derive(Debug, Clone)]
+struct Derived {
+    pools: Vec<Vec<u32>>,
+    branching: usize,
+    seed: u64,
+}
+
+impl Derived {
+    /// The row of context `a·V + b`, as the cumulative probabilities of `b`'s pool's
+    /// first `branching` tokens after a shuffle (in `tokens` and `cum`).
+    fn row(&self, ctx: u64, b: usize, tokens: &mut Vec<u32>, cum: &mut Vec<f64>) {
+        let mut rng = Rng::new(crate::rng::mix64(self.seed ^ crate::rng::mix64(ctx)));
+        tokens.clear();
+        tokens.extend_from_slice(&self.pools[b]);
+        for i in 0..self.branching {
+            let j = i + rng.below((tokens.len() - i) as u64) as usize;
+            tokens.swap(i, j);
+        }
+        tokens.truncate(self.branching);
+        cum.clear();
+        cum.extend((0..self.branching).map(|_| rng.exponential()));
+        let total: f64 = cum.iter().sum();
+        let mut acc = 0.0;
+        for c in cum.iter_mut() {
+            acc += *c / total;
+            *c = acc;
+        }
+    }
 }
 
 impl MarkovSource {
@@ -37,6 +80,19 @@ impl MarkovSource {
         let pools: Vec<Vec<u32>> = (0..vocab)
             .map(|_| shuffled_prefix(&mut rng, pool))
             .collect();
+        if vocab.saturating_mul(vocab) > TABLE_CONTEXTS {
+            return Self {
+                vocab,
+                next: Vec::new(),
+                stationary: Vec::new(),
+                stationary_cum: Vec::new(),
+                derived: Some(Derived {
+                    pools,
+                    branching,
+                    seed: rng.next_u64(),
+                }),
+            };
+        }
         let mut next = Vec::with_capacity(vocab * vocab);
         for ctx in 0..vocab * vocab {
             let mut pool = pools[ctx % vocab].clone();
@@ -71,6 +127,7 @@ impl MarkovSource {
             next,
             stationary,
             stationary_cum,
+            derived: None,
         }
     }
 
@@ -114,9 +171,14 @@ impl MarkovSource {
         self.vocab
     }
 
-    /// Entropy rate in nats per token: Σ_ctx π(ctx) · H(next | ctx).
-    pub fn entropy_rate(&self) -> f64 {
-        self.next
+    /// Entropy rate in nats per token: Σ_ctx π(ctx) · H(next | ctx); unknown (`None`) for
+    /// a source too large to table.
+    pub fn entropy_rate(&self) -> Option<f64> {
+        if self.derived.is_some() {
+            return None;
+        }
+        let h = self
+            .next
             .iter()
             .zip(&self.stationary)
             .map(|(row, &pi)| {
@@ -124,12 +186,15 @@ impl MarkovSource {
                     .map(|(_, p)| if p > 0.0 { p * p.ln() } else { 0.0 })
                     .sum::<f64>()
             })
-            .sum()
+            .sum();
+        Some(h)
     }
 
     /// The lowest expected mean loss over a sequence of `seq_len` predictions: the first
-    /// prediction sees one token of context (H(X₁|X₀)), the others see two (the entropy rate).
-    pub fn best_loss(&self, seq_len: usize) -> f64 {
+    /// prediction sees one token of context (H(X₁|X₀)), the others see two (the entropy
+    /// rate); unknown for a source too large to table.
+    pub fn best_loss(&self, seq_len: usize) -> Option<f64> {
+        let rate = self.entropy_rate()?;
         let v = self.vocab;
         let h = |ps: &mut dyn Iterator<Item = f64>| -> f64 {
             -ps.filter(|&p| p > 0.0).map(|p| p * p.ln()).sum::<f64>()
@@ -140,7 +205,7 @@ impl MarkovSource {
             .collect();
         let h_first = h_pair - h(&mut marg.into_iter());
         let t = seq_len.max(1) as f64;
-        (h_first + (t - 1.0) * self.entropy_rate()) / t
+        Some((h_first + (t - 1.0) * rate) / t)
     }
 
     fn pick(cum: &[f64], u: f64) -> usize {
@@ -149,6 +214,9 @@ impl MarkovSource {
 
     /// Appends `len` tokens to `out`, starting from a context drawn from the stationary law.
     pub fn sample_into(&self, rng: &mut Rng, len: usize, out: &mut Vec<u32>) {
+        if let Some(d) = &self.derived {
+            return self.sample_derived(d, rng, len, out);
+        }
         let ctx = Self::pick(&self.stationary_cum, rng.next_f64());
         let (mut a, mut b) = ((ctx / self.vocab) as u32, (ctx % self.vocab) as u32);
         for i in 0..len {
@@ -159,6 +227,34 @@ impl MarkovSource {
                     let row = &self.next[a as usize * self.vocab + b as usize];
                     let cum: Vec<f64> = row.iter().map(|&(_, c)| c).collect();
                     let t = row[Self::pick(&cum, rng.next_f64())].0;
+                    a = b;
+                    b = t;
+                    t
+                }
+            };
+            out.push(tok);
+        }
+    }
+
+    /// [`Self::sample_into`] for derived rows, from a uniformly drawn first context.
+    fn sample_derived(&self, d: &Derived, rng: &mut Rng, len: usize, out: &mut Vec<u32>) {
+        let v = self.vocab as u64;
+        let mut a = rng.below(v) as u32;
+        let pool = &d.pools[a as usize];
+        let mut b = pool[rng.below(pool.len() as u64) as usize];
+        let (mut tokens, mut cum) = (Vec::new(), Vec::new());
+        for i in 0..len {
+            let tok = match i {
+                0 => a,
+                1 => b,
+                _ => {
+                    d.row(
+                        u64::from(a) * v + u64::from(b),
+                        b as usize,
+                        &mut tokens,
+                        &mut cum,
+                    );
+                    let t = tokens[Self::pick(&cum, rng.next_f64())];
                     a = b;
                     b = t;
                     t
@@ -178,9 +274,9 @@ mod tests {
         let m = MarkovSource::new(16, 4, 8, 7);
         let total: f64 = m.stationary.iter().sum();
         assert!((total - 1.0).abs() < 1e-12);
-        let h = m.entropy_rate();
+        let h = m.entropy_rate().unwrap();
         assert!(h > 0.0 && h < (4f64).ln(), "entropy rate {h}");
-        assert!(m.best_loss(64) >= h);
+        assert!(m.best_loss(64).unwrap() >= h);
     }
 
     #[test]
@@ -200,10 +296,37 @@ mod tests {
             nll -= p.ln();
         }
         let emp = nll / (seq.len() - 2) as f64;
-        assert!(
-            (emp - m.entropy_rate()).abs() < 0.01,
-            "empirical {emp} vs {}",
-            m.entropy_rate()
-        );
+        let h = m.entropy_rate().unwrap();
+        assert!((emp - h).abs() < 0.01, "empirical {emp} vs {h}");
+    }
+
+    #[test]
+    fn a_vocabulary_too_large_to_table_derives_each_row_the_same_way_every_time() {
+        // GPT-2's vocabulary: a table would hold 2.5 billion rows.
+        let v = 50257;
+        let t0 = std::time::Instant::now();
+        let m = MarkovSource::new(v, 8, 16, 7);
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+        assert_eq!(m.entropy_rate(), None);
+        let draw = |seed| {
+            let mut seq = Vec::new();
+            m.sample_into(&mut Rng::new(seed), 20_000, &mut seq);
+            seq
+        };
+        let (a, b) = (draw(1), draw(1));
+        assert_eq!(a, b, "the same stream for the same seed");
+        assert_ne!(a, draw(2));
+        assert!(a.iter().all(|&t| (t as usize) < v));
+        // Order 2: a context is always followed by one of `branching` tokens from the
+        // last token's pool, and a context seen often is followed by several of them.
+        let d = m.derived.as_ref().unwrap();
+        let mut after: std::collections::HashMap<(u32, u32), std::collections::HashSet<u32>> =
+            Default::default();
+        for w in a.windows(3) {
+            assert!(d.pools[w[1] as usize].contains(&w[2]));
+            after.entry((w[0], w[1])).or_default().insert(w[2]);
+        }
+        assert!(after.values().all(|s| s.len() <= 8));
+        assert!(after.values().any(|s| s.len() > 1));
     }
 }

@@ -234,7 +234,7 @@ impl TokenSource {
     /// The Markov source's best achievable mean loss at `seq_len`, if this is the Markov corpus.
     pub fn best_loss(&self, seq_len: usize) -> Option<f64> {
         match self {
-            Self::Markov(m) => Some(m.best_loss(seq_len)),
+            Self::Markov(m) => m.best_loss(seq_len),
             Self::Tokens { .. } => None,
         }
     }
@@ -242,7 +242,7 @@ impl TokenSource {
     /// The Markov source's entropy rate, if this is the Markov corpus.
     pub fn entropy_rate(&self) -> Option<f64> {
         match self {
-            Self::Markov(m) => Some(m.entropy_rate()),
+            Self::Markov(m) => m.entropy_rate(),
             Self::Tokens { .. } => None,
         }
     }
