@@ -882,7 +882,14 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
     );
     // Once its stalled requests are gone, the greedy caller is served again.
     drop(stalled);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = std::time::Instant::now();
+    while svc.held_bytes(&me) > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the stalled requests' bytes were not released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(
         sc.forward(pid, 1, 0, 4, &x).await.unwrap().dims(),
         &[2, 8, d]
