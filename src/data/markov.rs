@@ -41,25 +41,38 @@ struct Derived {
 }
 
 impl Derived {
-    /// The row of context `a·V + b`, as the cumulative probabilities of `b`'s pool's
-    /// first `branching` tokens after a shuffle (in `tokens` and `cum`).
+    /// The row of context `a·V + b` (`ctx`), into `tokens` and `cum` ([`draw_row`] from
+    /// `b`'s pool with the context's own generator).
     fn row(&self, ctx: u64, b: usize, tokens: &mut Vec<u32>, cum: &mut Vec<f64>) {
         let mut rng = Rng::new(crate::rng::mix64(self.seed ^ crate::rng::mix64(ctx)));
-        tokens.clear();
-        tokens.extend_from_slice(&self.pools[b]);
-        for i in 0..self.branching {
-            let j = i + rng.below((tokens.len() - i) as u64) as usize;
-            tokens.swap(i, j);
-        }
-        tokens.truncate(self.branching);
-        cum.clear();
-        cum.extend((0..self.branching).map(|_| rng.exponential()));
-        let total: f64 = cum.iter().sum();
-        let mut acc = 0.0;
-        for c in cum.iter_mut() {
-            acc += *c / total;
-            *c = acc;
-        }
+        draw_row(&mut rng, &self.pools[b], self.branching, tokens, cum);
+    }
+}
+
+/// Draws one context's successors: the first `branching` tokens of `pool` after a partial
+/// shuffle (into `tokens`) and their Dirichlet(1) probabilities as cumulative sums (into
+/// `cum`).
+fn draw_row(
+    rng: &mut Rng,
+    pool: &[u32],
+    branching: usize,
+    tokens: &mut Vec<u32>,
+    cum: &mut Vec<f64>,
+) {
+    tokens.clear();
+    tokens.extend_from_slice(pool);
+    for i in 0..branching {
+        let j = i + rng.below((tokens.len() - i) as u64) as usize;
+        tokens.swap(i, j);
+    }
+    tokens.truncate(branching);
+    cum.clear();
+    cum.extend((0..branching).map(|_| rng.exponential()));
+    let total: f64 = cum.iter().sum();
+    let mut acc = 0.0;
+    for c in cum.iter_mut() {
+        acc += *c / total;
+        *c = acc;
     }
 }
 
@@ -94,24 +107,16 @@ impl MarkovSource {
             };
         }
         let mut next = Vec::with_capacity(vocab * vocab);
+        let (mut tokens, mut cum) = (Vec::new(), Vec::new());
         for ctx in 0..vocab * vocab {
-            let mut pool = pools[ctx % vocab].clone();
-            for i in 0..branching {
-                let j = i + rng.below((pool.len() - i) as u64) as usize;
-                pool.swap(i, j);
-            }
-            let w: Vec<f64> = (0..branching).map(|_| rng.exponential()).collect();
-            let total: f64 = w.iter().sum();
-            let mut acc = 0.0;
-            let row = pool[..branching]
-                .iter()
-                .zip(&w)
-                .map(|(&t, &wi)| {
-                    acc += wi / total;
-                    (t, acc)
-                })
-                .collect();
-            next.push(row);
+            draw_row(
+                &mut rng,
+                &pools[ctx % vocab],
+                branching,
+                &mut tokens,
+                &mut cum,
+            );
+            next.push(tokens.iter().copied().zip(cum.iter().copied()).collect());
         }
         let stationary = Self::stationary_of(vocab, &next);
         let mut acc = 0.0;
@@ -212,21 +217,27 @@ impl MarkovSource {
         cum.partition_point(|&c| c <= u).min(cum.len() - 1)
     }
 
-    /// Appends `len` tokens to `out`, starting from a context drawn from the stationary law.
+    /// Appends `len` tokens to `out`, starting from a context drawn from the stationary law
+    /// (uniformly, for derived rows).
     pub fn sample_into(&self, rng: &mut Rng, len: usize, out: &mut Vec<u32>) {
-        if let Some(d) = &self.derived {
-            return self.sample_derived(d, rng, len, out);
-        }
-        let ctx = Self::pick(&self.stationary_cum, rng.next_f64());
-        let (mut a, mut b) = ((ctx / self.vocab) as u32, (ctx % self.vocab) as u32);
+        let (mut a, mut b) = match &self.derived {
+            Some(d) => {
+                let a = rng.below(self.vocab as u64) as usize;
+                let pool = &d.pools[a];
+                (a as u32, pool[rng.below(pool.len() as u64) as usize])
+            }
+            None => {
+                let ctx = Self::pick(&self.stationary_cum, rng.next_f64());
+                ((ctx / self.vocab) as u32, (ctx % self.vocab) as u32)
+            }
+        };
+        let (mut tokens, mut cum) = (Vec::new(), Vec::new());
         for i in 0..len {
             let tok = match i {
                 0 => a,
                 1 => b,
                 _ => {
-                    let row = &self.next[a as usize * self.vocab + b as usize];
-                    let cum: Vec<f64> = row.iter().map(|&(_, c)| c).collect();
-                    let t = row[Self::pick(&cum, rng.next_f64())].0;
+                    let t = self.next_token(a, b, rng.next_f64(), &mut tokens, &mut cum);
                     a = b;
                     b = t;
                     t
@@ -236,31 +247,21 @@ impl MarkovSource {
         }
     }
 
-    /// [`Self::sample_into`] for derived rows, from a uniformly drawn first context.
-    fn sample_derived(&self, d: &Derived, rng: &mut Rng, len: usize, out: &mut Vec<u32>) {
-        let v = self.vocab as u64;
-        let mut a = rng.below(v) as u32;
-        let pool = &d.pools[a as usize];
-        let mut b = pool[rng.below(pool.len() as u64) as usize];
-        let (mut tokens, mut cum) = (Vec::new(), Vec::new());
-        for i in 0..len {
-            let tok = match i {
-                0 => a,
-                1 => b,
-                _ => {
-                    d.row(
-                        u64::from(a) * v + u64::from(b),
-                        b as usize,
-                        &mut tokens,
-                        &mut cum,
-                    );
-                    let t = tokens[Self::pick(&cum, rng.next_f64())];
-                    a = b;
-                    b = t;
-                    t
-                }
-            };
-            out.push(tok);
+    /// The token after context (a, b) for the uniform draw `u` (`tokens` and `cum` are
+    /// scratch space).
+    fn next_token(&self, a: u32, b: u32, u: f64, tokens: &mut Vec<u32>, cum: &mut Vec<f64>) -> u32 {
+        let ctx = a as usize * self.vocab + b as usize;
+        match &self.derived {
+            Some(d) => {
+                d.row(ctx as u64, b as usize, tokens, cum);
+                tokens[Self::pick(cum, u)]
+            }
+            None => {
+                let row = &self.next[ctx];
+                cum.clear();
+                cum.extend(row.iter().map(|&(_, c)| c));
+                row[Self::pick(cum, u)].0
+            }
         }
     }
 }
