@@ -55,6 +55,12 @@ impl View {
     pub fn is_live(&self, now: Instant, timeout: Duration) -> bool {
         now.saturating_duration_since(self.at) < timeout
     }
+
+    /// Whether it died (not live) at `step` or before: what it held is lost to `step`'s
+    /// round, which the leader counts.
+    pub fn died_by(&self, step: u64, now: Instant, timeout: Duration) -> bool {
+        !self.is_live(now, timeout) && self.params_step <= step
+    }
 }
 
 /// Everything a decision reads.
@@ -161,7 +167,8 @@ pub fn expected_members(
             .is_some_and(|v| v.is_live(now, cfg.live_timeout) && v.params_step == s)
     });
     let strangers = input.views.iter().any(|(p, v)| {
-        !last.contains(p) && (v.is_live(now, cfg.live_timeout) || v.params_step <= s)
+        !last.contains(p)
+            && (v.is_live(now, cfg.live_timeout) || v.died_by(s, now, cfg.live_timeout))
     });
     (all_here && !strangers).then(|| last.to_vec())
 }
@@ -288,7 +295,7 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     let mut dead: Vec<PeerId> = input
         .views
         .iter()
-        .filter(|(_, v)| !v.is_live(now, cfg.live_timeout) && v.params_step <= s)
+        .filter(|(_, v)| v.died_by(s, now, cfg.live_timeout))
         .map(|(p, _)| *p)
         .collect();
     dead.sort();
