@@ -809,6 +809,15 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
     p.stop().await.unwrap();
 }
 
+/// Polls `cond` every 20 ms until it holds; fails with `what` after 20 s.
+async fn wait_until(cond: impl Fn() -> bool, what: impl Fn() -> String) {
+    let t0 = std::time::Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "{}", what());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_served() {
     let dir = tempfile::tempdir().unwrap();
@@ -860,15 +869,16 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
     // take longer than any fixed sleep).
     let svc = p.service().unwrap();
     let me = greedy.local_peer_id();
-    let t0 = std::time::Instant::now();
-    while svc.held_bytes(&me) < 2 * hidden.len() as u64 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the stalled requests were not read: {} bytes held",
-            svc.held_bytes(&me)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        || svc.held_bytes(&me) >= 2 * hidden.len() as u64,
+        || {
+            format!(
+                "the stalled requests were not read: {} bytes held",
+                svc.held_bytes(&me)
+            )
+        },
+    )
+    .await;
     let x = Tensor::randn(0f32, 1.0, (2, 8, d), &Device::Cpu).unwrap();
     let sc = StageClient::new(greedy.clone(), m.id.clone(), CodecSpec::F32);
     let e = sc.forward(pid, 1, 0, 2, &x).await.unwrap_err();
@@ -882,14 +892,11 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
     );
     // Once its stalled requests are gone, the greedy caller is served again.
     drop(stalled);
-    let t0 = std::time::Instant::now();
-    while svc.held_bytes(&me) > 0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the stalled requests' bytes were not released"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        || svc.held_bytes(&me) == 0,
+        || "the stalled requests' bytes were not released".to_string(),
+    )
+    .await;
     assert_eq!(
         sc.forward(pid, 1, 0, 4, &x).await.unwrap().dims(),
         &[2, 8, d]
