@@ -149,7 +149,9 @@ pub fn other_attempt(random: u64) -> u32 {
 /// round it completed (`last`, itself among them) are all live and at its step, and no
 /// other replica is live or died at that step, so the leader will lead exactly them.
 /// Wrong guesses cost only bandwidth: the leader then leads another attempt, which
-/// replaces this one.
+/// replaces this one. The other half of this agreement is the leader's choice of
+/// [`first_attempt`] in the actor (no samples lost, the same members, not yet joined at
+/// the step): the two change together.
 pub fn expected_members(
     input: &Input<'_>,
     last: &[PeerId],
