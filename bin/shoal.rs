@@ -564,6 +564,7 @@ fn single_threaded_kernels(cli: &Cli) {
 
 fn main() -> ExitCode {
     quiet_broken_pipe();
+    shoal::tune_allocator();
     let cli = Cli::parse();
     logging::init(cli.quiet, cli.verbose, cli.log_format);
     single_threaded_kernels(&cli);

@@ -58,3 +58,25 @@ pub fn release_memory() {
     // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time.
     unsafe { libmimalloc_sys::mi_collect(true) }
 }
+
+/// mimalloc's `purge_delay` option. The crate names no constant for it; in mimalloc 2 and
+/// 3 alike it is the option just before `use_numa_nodes`.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t =
+    libmimalloc_sys::mi_option_use_numa_nodes - 1;
+
+/// How long freed memory stays with the process before mimalloc hands it back to the OS,
+/// in milliseconds, unless `MIMALLOC_PURGE_DELAY` says otherwise. mimalloc's default (1 s)
+/// is shorter than the swings of a peer's working set (microbatches in flight, rounds), so
+/// a stage gave pages back and faulted them in again, zeroed by the kernel: 10–30
+/// thousand page faults a second per replica in `bench swarm --scenario real`, ~10% of the
+/// CPU. [`release_memory`] still hands memory back at once where a large stage asks.
+pub const PURGE_DELAY_MS: i64 = 10_000;
+
+/// Sets the allocator's purge delay ([`PURGE_DELAY_MS`]); call once, early in `main`.
+pub fn tune_allocator() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
+    // SAFETY: `mi_option_set` takes no pointers; options may be set at any time.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS as _) }
+}

@@ -13,7 +13,6 @@ pub use super::frozen::Frozen;
 use super::predict::{self, Predictor};
 use super::sim::SimCompute;
 use crate::config::RunConfig;
-use crate::model::checkpoint::{self, Info};
 use crate::model::optim::FlatSource;
 use crate::model::stage::Kept;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
@@ -28,21 +27,6 @@ pub const KEPT_CAP: usize = 32;
 /// Stages of at least this many parameters give freed memory back to the OS after each
 /// backward and each step ([`crate::release_memory`]); smaller ones keep it for speed.
 const RELEASE_NUMEL: usize = 1 << 24;
-
-/// Parameters and optimizer state as flat vectors, for state transfer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Snapshot {
-    /// Applied optimizer steps.
-    pub step: u64,
-    /// Parameters, then first moments, then second moments, each in parameter order.
-    pub flat: Vec<f32>,
-    /// Hash of the parameters (hex), as announced.
-    pub params_hash: String,
-    /// Samples in every step applied so far.
-    pub samples_applied: u64,
-    /// Samples lost with dead replicas so far.
-    pub samples_lost: u64,
-}
 
 /// The mutable state of one replica.
 pub struct Replica {
@@ -299,12 +283,17 @@ impl Replica {
             self.predict.observe(*at, joins);
         }
         // At most one step stale, by construction: gradients go into step `params_step`
-        // or, while that step's sum is frozen for its round, `params_step + 1`; so a
-        // forward kept from before the last applied update (which the averager may make
-        // two steps stale at any moment, by freezing) is recomputed at the current
-        // parameters instead.
+        // or, while that step's sum is frozen for its round, `params_step + 1`. A kept
+        // forward is used while its gradient would be at most one step stale now; one from
+        // before the last applied update is used only where it ran at the parameters
+        // predicted for the step it joins (what the prediction is for), and is otherwise
+        // recomputed at the current parameters, which are fresher.
+        let predicted_for = |target: u64| self.predict.active() && target == joins;
         let kept = match kept {
-            Some((_, at, _)) if at < self.params_step && self.bound_staleness => {
+            Some((_, at, target))
+                if self.bound_staleness
+                    && (joins > at + 1 || (at < self.params_step && !predicted_for(target))) =>
+            {
                 self.stale_recomputed += 1;
                 None
             }
@@ -313,11 +302,9 @@ impl Replica {
             k => k,
         };
         // Kept or recomputed, the gradient is of the parameters its forward ran at.
-        let computed_at = kept.as_ref().map_or(self.params_step, |(_, at, _)| *at);
+        let mut computed_at = kept.as_ref().map_or(self.params_step, |(_, at, _)| *at);
         let kept = kept.map(|(k, _, _)| k);
-        // Recomputed for the next step: at the parameters predicted for it.
-        let ahead = joins.saturating_sub(self.params_step) as f64;
-        let g = match (kept, &self.sim) {
+        let mut g = match (kept, &self.sim) {
             (_, Some(sim)) => {
                 let ran = self.kept_order.iter().position(|&m| m == mb);
                 if let Some(i) = ran {
@@ -326,17 +313,23 @@ impl Replica {
                 sim.backward(&self.stage, input, upstream, ran.is_none())?
             }
             (Some(k), None) => self.stage.backward_kept(k, upstream)?,
-            (None, None) => {
-                let stage = &self.stage;
-                self.predict
-                    .shifted(stage.params(), ahead, || stage.backward(input, upstream))?
-            }
+            (None, None) => self.recompute(input, upstream)?,
         };
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let numel = self.numel;
-        let mut g = g;
-        let grads = std::mem::take(&mut g.grads);
         let mut acc = self.acc();
+        if self.bound_staleness && acc.accum_step() > computed_at + 1 {
+            // The averager froze the step since the choice above, which made a kept
+            // forward from before the last update two steps stale: recomputed at the
+            // current parameters, at most one step stale whatever the averager does next
+            // (only this thread moves `params_step`).
+            drop(acc);
+            self.stale_recomputed += 1;
+            g = self.recompute(input, upstream)?;
+            computed_at = self.params_step;
+            acc = self.acc();
+        }
+        let grads = std::mem::take(&mut g.grads);
         if !acc.admit(mb) {
             return Ok((g, false));
         }
@@ -354,6 +347,15 @@ impl Replica {
         drop(grads);
         self.release_if_large();
         Ok((g, true))
+    }
+
+    /// Forward and backward of `input` at the current parameters, moved to those predicted
+    /// for the step the gradient joins when that is a later one.
+    fn recompute(&self, input: &Tensor, upstream: Upstream<'_>) -> Result<StageGrads, ModelError> {
+        let ahead = self.acc().accum_step().saturating_sub(self.params_step) as f64;
+        let stage = &self.stage;
+        self.predict
+            .shifted(stage.params(), ahead, || stage.backward(input, upstream))
     }
 
     /// A probe's backward: recomputed from `input` at the current parameters, the loss and
@@ -462,125 +464,6 @@ impl Replica {
         Ok(())
     }
 
-    /// The whole state, for a joiner, in memory (the layout [`Self::write_state`] streams).
-    pub fn snapshot(&self) -> Result<Snapshot, ModelError> {
-        let mut flat = Vec::with_capacity(self.snapshot_len());
-        let mut snap = self.write_state(&mut |v| {
-            flat.extend_from_slice(v);
-            Ok(())
-        })?;
-        snap.flat = flat;
-        Ok(snap)
-    }
-
-    /// Streams the whole state (parameters, then first moments, then second moments, in
-    /// parameter order, as f32) to `sink`, one tensor at a time: a copy of the state is
-    /// never held in memory. Returns the snapshot's metadata (its `flat` left empty).
-    pub fn write_state(
-        &self,
-        sink: &mut dyn FnMut(&[f32]) -> std::io::Result<()>,
-    ) -> Result<Snapshot, ModelError> {
-        let (m, v) = self.opt.moments();
-        let params = self.stage.params().vars().iter().map(|v| v.as_tensor());
-        for t in params.chain(m.iter()).chain(v.iter()) {
-            let flat = t
-                .flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1::<f32>()?;
-            sink(&flat).map_err(|e| ModelError::BadInput(format!("writing the state: {e}")))?;
-        }
-        Ok(Snapshot {
-            step: self.params_step,
-            flat: Vec::new(),
-            params_hash: self.params_hash.clone(),
-            samples_applied: self.samples_applied,
-            samples_lost: self.samples_lost,
-        })
-    }
-
-    /// Writes the stage's parameters and optimizer state to `path` atomically, as a
-    /// checkpoint of run `run` (whose canonical config is `config`).
-    pub fn save(
-        &self,
-        path: &std::path::Path,
-        run: &str,
-        config: &str,
-    ) -> Result<Info, ModelError> {
-        let info = Info {
-            run: run.to_string(),
-            config: config.to_string(),
-            stage: self.stage.index(),
-            step: self.params_step,
-            params_hash: self.params_hash.clone(),
-            samples_applied: self.samples_applied,
-            samples_lost: self.samples_lost,
-        };
-        checkpoint::save(&self.stage, &self.opt, path, &info)?;
-        Ok(info)
-    }
-
-    /// Replaces the state with checkpoint `path` of run `run` (refused if it is of another
-    /// run or stage, has other shapes, or does not hash to what it records); drops
-    /// accumulated gradients.
-    pub fn resume(&mut self, path: &std::path::Path, run: &str) -> Result<Info, ModelError> {
-        let info = checkpoint::load(&self.stage, &mut self.opt, path, run)?;
-        self.predict.reset();
-        self.params_step = info.step;
-        self.samples_applied = info.samples_applied;
-        self.samples_lost = info.samples_lost;
-        self.params_hash = hash_of(&self.stage)?;
-        self.history = vec![(self.params_step, self.params_hash.clone())];
-        self.acc().reset(info.step);
-        Ok(info)
-    }
-
-    /// Floats in a snapshot.
-    pub fn snapshot_len(&self) -> usize {
-        3 * self.stage.params().numel()
-    }
-
-    /// Replaces the state with a snapshot; drops accumulated and frozen gradients (they
-    /// were computed on other parameters) and returns the samples dropped.
-    pub fn restore(&mut self, snap: &Snapshot) -> Result<u64, ModelError> {
-        let n = self.stage.params().numel();
-        if snap.flat.len() != 3 * n {
-            return Err(ModelError::BadInput(format!(
-                "snapshot of {} values for a stage of {n} parameters",
-                snap.flat.len()
-            )));
-        }
-        // Check the parameters against the hash the donors announced before anything is
-        // replaced: a bad download never becomes the replica's state.
-        let hash = format!("{:016x}", self.stage.params().hash_flat(&snap.flat[..n]));
-        if hash != snap.params_hash {
-            return Err(ModelError::BadInput(format!(
-                "the downloaded parameters hash to {hash}, not the donors' {}",
-                snap.params_hash
-            )));
-        }
-        // One tensor at a time, so the state is never held twice beside the download.
-        let mut at = 0;
-        for var in self.stage.params().vars() {
-            let k = var.elem_count();
-            let t = Tensor::from_slice(&snap.flat[at..at + k], var.dims(), var.device())?
-                .to_dtype(var.dtype())?;
-            var.set(&t)?;
-            at += k;
-        }
-        self.opt
-            .restore_flat(snap.step, &snap.flat[n..2 * n], &snap.flat[2 * n..])?;
-        self.predict.reset();
-        self.params_step = snap.step;
-        self.samples_applied = snap.samples_applied;
-        self.samples_lost = snap.samples_lost;
-        self.params_hash = hash_of(&self.stage)?;
-        self.history
-            .push((self.params_step, self.params_hash.clone()));
-        let dropped = self.acc().reset(snap.step);
-        self.samples_dropped += dropped;
-        Ok(dropped)
-    }
-
     /// Drops the sum frozen for step `step` when no round took it (the replica froze it
     /// when the step's batch was full, and the others applied the step without it): its
     /// samples count as dropped. Returns them.
@@ -590,6 +473,10 @@ impl Replica {
         n
     }
 }
+
+#[path = "replica_state.rs"]
+mod state;
+pub use state::Snapshot;
 
 #[cfg(test)]
 #[path = "replica_tests.rs"]

@@ -106,6 +106,45 @@ fn a_gradient_is_never_more_than_one_step_stale() -> TestResult {
     Ok(())
 }
 
+/// A replica (`predict` on or off) that has learnt a lag of one step, then kept a forward
+/// at step 8 whose backward comes after step 8 applied: (recomputed kept forwards before
+/// that backward, after it, largest staleness).
+fn kept_across_an_update(predict: bool) -> TestResult<(u64, u64, u64)> {
+    let (cfg, r) = one_stage()?;
+    let mut r = r.with_prediction(predict);
+    let (x, y) = batch(&cfg, 2, 6)?;
+    let n = r.stage().params().numel();
+    let upd: Vec<f32> = (0..n).map(|i| ((i % 5) as f32 - 2.0) * 1e-3).collect();
+    // Backwards that join the step after their forward's teach the replica the lag.
+    for s in 0..8u64 {
+        r.forward(&x, 100 + s)?;
+        r.freeze(s, 1000, &CodecSpec::F32)?;
+        r.backward(&x, Upstream::Targets(&y), 100 + s)?;
+        r.apply(s, &upd.as_slice(), 2, 0)?;
+    }
+    r.forward(&x, 200)?;
+    r.freeze(8, 1000, &CodecSpec::F32)?;
+    r.apply(8, &upd.as_slice(), 2, 0)?;
+    let before = r.staleness().0;
+    let (_, fresh) = r.backward(&x, Upstream::Targets(&y), 200)?;
+    assert!(fresh);
+    assert_eq!(r.accum_step(), 9);
+    let (after, max) = r.staleness();
+    Ok((before, after, max))
+}
+
+#[test]
+fn a_forward_kept_before_an_update_is_used_only_where_it_ran_at_the_predicted_parameters(
+) -> TestResult {
+    // Predicted for step 9, which it joins: through the kept graph, one step stale.
+    let (before, after, max) = kept_across_an_update(true)?;
+    assert_eq!((after - before, max), (0, 1));
+    // Without prediction it ran at step 8's parameters: recomputed at step 9's.
+    let (before, after, max) = kept_across_an_update(false)?;
+    assert_eq!((after - before, max), (1, 1));
+    Ok(())
+}
+
 #[test]
 fn a_frozen_sum_no_round_took_is_counted_as_dropped() -> TestResult {
     let (cfg, mut r) = one_stage()?;
