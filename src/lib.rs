@@ -65,12 +65,15 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t =
     libmimalloc_sys::mi_option_use_numa_nodes - 1;
 
 /// How long freed memory stays with the process before mimalloc hands it back to the OS,
-/// in milliseconds, unless `MIMALLOC_PURGE_DELAY` says otherwise. mimalloc's default (1 s)
-/// is shorter than the swings of a peer's working set (microbatches in flight, rounds), so
-/// a stage gave pages back and faulted them in again, zeroed by the kernel: 10–30
-/// thousand page faults a second per replica in `bench swarm --scenario real`, ~10% of the
-/// CPU. [`release_memory`] still hands memory back at once where a large stage asks.
-pub const PURGE_DELAY_MS: i64 = 10_000;
+/// in milliseconds, unless `MIMALLOC_PURGE_DELAY` says otherwise. mimalloc purges every
+/// range freed since its last purge once this delay has passed (default 1 s), while a
+/// peer's working set swings within a second (microbatches in flight, rounds): each purge
+/// handed back memory about to be used again, and the kernel zeroed it afresh, in 2 MiB
+/// huge pages, on the next touch — 10–30 thousand page faults a second per replica in
+/// `bench swarm --scenario real`, ~10% of the machine's CPU (`shoal bench swarm
+/// --scenario real`: 429–475 samples/s at 1 s, 531–555 at 10 s, 565–571 at 60 s).
+/// [`release_memory`] still hands memory back at once where a large stage asks.
+pub const PURGE_DELAY_MS: i64 = 60_000;
 
 /// Sets the allocator's purge delay ([`PURGE_DELAY_MS`]); call once, early in `main`.
 pub fn tune_allocator() {

@@ -34,9 +34,9 @@ pub struct Replica {
     opt: AdamW,
     params_step: u64,
     accum: Arc<Mutex<Accum>>,
-    /// Kept forwards, with the parameter step each ran at and the step its parameters
-    /// were predicted for ([`Predictor`]; the step it ran at when nothing was predicted).
-    kept: std::collections::HashMap<u64, (Kept, u64, u64)>,
+    /// Kept forwards, with the parameter step each ran at (moved by [`Predictor`]'s
+    /// expected lag when it predicts).
+    kept: std::collections::HashMap<u64, (Kept, u64)>,
     kept_order: VecDeque<u64>,
     kept_cap: usize,
     /// Whether a kept forward from before the last applied update is recomputed (the
@@ -241,12 +241,7 @@ impl Replica {
             .predict
             .shifted(stage.params(), h, || stage.forward_kept(input))?;
         let out = kept.output().detach();
-        let target = self.params_step + h.round() as u64;
-        if self
-            .kept
-            .insert(mb, (kept, self.params_step, target))
-            .is_none()
-        {
+        if self.kept.insert(mb, (kept, self.params_step)).is_none() {
             self.kept_order.push_back(mb);
         }
         self.keep_within_cap();
@@ -276,34 +271,33 @@ impl Replica {
         let kept = self
             .kept
             .remove(&mb)
-            .filter(|(k, _, _)| k.input_dims() == input.dims());
+            .filter(|(k, _)| k.input_dims() == input.dims());
         // The step this gradient joins: this one, or the next while this one is frozen.
         let joins = self.acc().accum_step();
-        if let Some((_, at, _)) = &kept {
+        if let Some((_, at)) = &kept {
             self.predict.observe(*at, joins);
         }
         // At most one step stale, by construction: gradients go into step `params_step`
         // or, while that step's sum is frozen for its round, `params_step + 1`. A kept
-        // forward is used while its gradient would be at most one step stale now; one from
-        // before the last applied update is used only where it ran at the parameters
-        // predicted for the step it joins (what the prediction is for), and is otherwise
-        // recomputed at the current parameters, which are fresher.
-        let predicted_for = |target: u64| self.predict.active() && target == joins;
+        // forward is used while its gradient would be at most one step stale now. With
+        // prediction it ran at θ + h·Δ for the expected lag h, so whether its gradient
+        // joins the step it ran at or the next one it is off by less than one update; a
+        // replica that does not predict recomputes one from before the last update at the
+        // current parameters, which are fresher.
         let kept = match kept {
-            Some((_, at, target))
+            Some((_, at))
                 if self.bound_staleness
-                    && (joins > at + 1 || (at < self.params_step && !predicted_for(target))) =>
+                    && (joins > at + 1 || (at < self.params_step && !self.predict.active())) =>
             {
+                tracing::debug!(mb, at, joins, params_step = self.params_step, "recomputed");
                 self.stale_recomputed += 1;
                 None
             }
-            // Predicted for another step than it joins: recomputed for the right one.
-            Some((_, _, target)) if self.predict.active() && target != joins => None,
             k => k,
         };
         // Kept or recomputed, the gradient is of the parameters its forward ran at.
-        let mut computed_at = kept.as_ref().map_or(self.params_step, |(_, at, _)| *at);
-        let kept = kept.map(|(k, _, _)| k);
+        let mut computed_at = kept.as_ref().map_or(self.params_step, |(_, at)| *at);
+        let kept = kept.map(|(k, _)| k);
         let mut g = match (kept, &self.sim) {
             (_, Some(sim)) => {
                 let ran = self.kept_order.iter().position(|&m| m == mb);
@@ -324,6 +318,7 @@ impl Replica {
             // current parameters, at most one step stale whatever the averager does next
             // (only this thread moves `params_step`).
             drop(acc);
+            tracing::debug!(mb, computed_at, "recomputed: the step froze meanwhile");
             self.stale_recomputed += 1;
             g = self.recompute(input, upstream)?;
             computed_at = self.params_step;

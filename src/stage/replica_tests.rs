@@ -134,9 +134,9 @@ fn kept_across_an_update(predict: bool) -> TestResult<(u64, u64, u64)> {
 }
 
 #[test]
-fn a_forward_kept_before_an_update_is_used_only_where_it_ran_at_the_predicted_parameters(
-) -> TestResult {
-    // Predicted for step 9, which it joins: through the kept graph, one step stale.
+fn a_forward_kept_before_an_update_is_used_only_where_it_ran_at_predicted_parameters() -> TestResult
+{
+    // Run at parameters moved by the lag: through the kept graph, one step stale.
     let (before, after, max) = kept_across_an_update(true)?;
     assert_eq!((after - before, max), (0, 1));
     // Without prediction it ran at step 8's parameters: recomputed at step 9's.
