@@ -9,8 +9,9 @@
 //! - `synchronous`: after each microbatch a trainer waits until stage 0 applied the step it
 //!   went into (the exact mode);
 //! - `delayed`: trainers never wait; a replica keeps computing gradients for step s+1 while
-//!   step s is averaged and applied, and a backward whose kept forward predates the last
-//!   update recomputes it, so every gradient is at most one step stale;
+//!   step s is averaged and applied, and a backward whose kept forward would make its
+//!   gradient two steps stale recomputes it, so every gradient is at most one step stale
+//!   (forwards run at the parameters predicted for the expected lag);
 //! - `no-sync`: trainers never wait and kept forwards are used however old (gradients may
 //!   be several steps stale; what shoal did before delayed updates);
 //! - `delayed-plain` (only when asked): `delayed` without weight prediction, every

@@ -130,27 +130,40 @@ struct Meter {
 }
 
 impl Meter {
-    fn start(&mut self) {
+    /// A call starts at `now`; returns `now`, for its [`Self::end`].
+    fn start(&mut self, now: Instant) -> Instant {
         if self.in_flight == 0 {
-            self.since = Some(Instant::now());
+            self.since = Some(now);
             self.bytes = 0;
         }
         self.in_flight += 1;
+        now
     }
 
-    /// A call of `bytes` ended (sent, or not); folds a rate into `avg` every second of
-    /// busy time and when the link goes idle.
-    fn end(&mut self, bytes: u64, avg: &AtomicU64) {
+    /// The call that started at `started` ended at `now` having sent `bytes` (0: not
+    /// sent); folds a rate into `avg` every second of busy time and when the link goes
+    /// idle.
+    fn end(&mut self, bytes: u64, started: Instant, now: Instant, avg: &AtomicU64) {
         self.in_flight = self.in_flight.saturating_sub(1);
-        self.bytes += bytes;
         let Some(since) = self.since else { return };
-        let took = since.elapsed();
+        // A call that began before this interval (a fold while it was in flight began a
+        // new one) sent only part of its bytes within it: counted in proportion to its
+        // time inside. Counted whole, the last of several calls sharing the link, which
+        // ends just after the first, read as several times the link.
+        let inside = now.saturating_duration_since(since).as_secs_f64();
+        let all = now.saturating_duration_since(started).as_secs_f64();
+        self.bytes += if started >= since || all <= 0.0 {
+            bytes
+        } else {
+            (bytes as f64 * inside / all) as u64
+        };
+        let took = now.saturating_duration_since(since);
         if (self.in_flight == 0 || took >= Duration::from_secs(1))
             && self.bytes >= MEASURED_FRAME as u64
             && took >= Duration::from_millis(20)
         {
             fold_rate(avg, self.bytes as usize, took);
-            self.since = Some(Instant::now());
+            self.since = Some(now);
             self.bytes = 0;
         }
         if self.in_flight == 0 {
@@ -255,16 +268,17 @@ pub(super) async fn bulk_sender(
                 let frame = job.frame;
                 let floats = wire::header::parse_header(&frame, &Limits::default())
                     .map_or(0, |(h, _)| h.elements());
-                if let Ok(mut m) = meter.lock() {
-                    m.start();
-                }
+                let started = match meter.lock() {
+                    Ok(mut m) => m.start(Instant::now()),
+                    Err(_) => Instant::now(),
+                };
                 let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
                     is_live(job.key)
                 })
                 .await;
                 let sent = if ok { frame.len() as u64 } else { 0 };
                 if let Ok(mut m) = meter.lock() {
-                    m.end(sent, &stats.uplink);
+                    m.end(sent, started, Instant::now(), &stats.uplink);
                 }
                 if ok {
                     stats.bytes_sent.fetch_add(sent, Ordering::Relaxed);
@@ -275,4 +289,32 @@ pub(super) async fn bulk_sender(
             }
         })
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_sharing_the_link_never_read_as_a_multiple_of_it() {
+        // Two calls share a 1 MB/s link from t = 0: one of 500 kB ends at 1.00 s, the
+        // other of 530 kB at 1.03 s (its last 30 kB alone on the link).
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let avg = AtomicU64::new(0);
+        let mut m = Meter::default();
+        let a = m.start(at(0));
+        let b = m.start(at(0));
+        m.end(500_000, a, at(1000), &avg);
+        // A second of busy time: the first call's bytes over it.
+        assert_eq!(avg.load(Ordering::Relaxed), 500_000);
+        m.end(530_000, b, at(1030), &avg);
+        // The second call counts for its 30 ms inside the new interval (15 kB, too few to
+        // time a link), not whole: 530 kB over 30 ms would have read as 17.7 MB/s.
+        assert_eq!(avg.load(Ordering::Relaxed), 500_000);
+        // Alone, a call is timed whole.
+        let c = m.start(at(2000));
+        m.end(400_000, c, at(2500), &avg);
+        assert_eq!(avg.load(Ordering::Relaxed), (3 * 500_000 + 800_000) / 4);
+    }
 }
