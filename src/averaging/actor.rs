@@ -76,6 +76,8 @@ pub(super) struct State {
     pub(super) last_members: Vec<PeerId>,
     pub(super) last_sent: Option<(u64, u64, u64, u64, String)>,
     pub(super) last_sent_at: Instant,
+    /// Progress messages sent since this replica's step last changed.
+    pub(super) sent_at_step: u32,
     pub(super) timers: plan::Timers,
     pub(super) started: Instant,
     /// The first lookup of the stage's replicas answered.
@@ -245,8 +247,8 @@ impl State {
         }
     }
 
-    /// Sends progress on change (at most every 100 ms, at once when it fills the step's
-    /// batch) or as a heartbeat.
+    /// Sends progress on change (at most every 100 ms; at once when the step changed, for
+    /// the first change after that, and when it fills the step's batch) or as a heartbeat.
     fn heartbeat(&mut self, st: &ReplicaStatus) {
         let now_sig = (
             st.params_step,
@@ -273,8 +275,13 @@ impl State {
                 .sum();
             mine.pending_at(s) + others >= self.cfg.target.max(1)
         };
+        // So is the first change after a step's: the other replicas learn of this one's
+        // first microbatch before theirs fill the step on their own (which made a step
+        // hold both, half as large again).
+        let first = changed && self.sent_at_step < 2;
         if stepped
             || filled
+            || first
             || (changed && since >= Duration::from_millis(100))
             || since >= self.cfg.heartbeat
         {
@@ -291,6 +298,7 @@ impl State {
             }
             self.last_sent = Some(now_sig);
             self.last_sent_at = Instant::now();
+            self.sent_at_step = if stepped { 1 } else { self.sent_at_step + 1 };
         }
     }
 

@@ -405,6 +405,7 @@ impl Averager {
             last_members: Vec::new(),
             last_sent: None,
             last_sent_at: Instant::now(),
+            sent_at_step: 0,
             timers: plan::Timers::default(),
             started: Instant::now(),
             looked_up: false,

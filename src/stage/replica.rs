@@ -39,7 +39,7 @@ pub struct Replica {
     kept: std::collections::HashMap<u64, (Kept, u64)>,
     kept_order: VecDeque<u64>,
     kept_cap: usize,
-    /// Whether a kept forward from before the last applied update is recomputed (the
+    /// Whether a kept forward whose gradient would be two steps stale is recomputed (the
     /// one-step staleness bound; off only to measure what it buys).
     bound_staleness: bool,
     numel: usize,
