@@ -93,30 +93,51 @@ pub struct ProbeReport {
 /// this fraction (lossy activation codecs); more means a stage computes something else.
 const CHECK_TOLERANCE: f32 = 0.05;
 
-fn pick(anns: &[Announcement]) -> Option<&Announcement> {
-    anns.iter()
-        .max_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s))
+/// A stage's announcements, highest announced throughput first.
+fn by_throughput(anns: &[Announcement]) -> Vec<&Announcement> {
+    let mut v: Vec<&Announcement> = anns.iter().collect();
+    v.sort_by(|a, b| b.samples_per_s.total_cmp(&a.samples_per_s));
+    v
 }
 
-/// One replica per stage (the highest announced throughput), with its addresses handed
-/// to the network so it can be dialled.
+/// One replica per stage: the one of highest announced throughput that answers (a replica
+/// that died is still announced until its record expires), with its addresses handed to
+/// the network so it can be dialled.
 async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<PeerId>, ProbeError> {
     let count = m.config.stages.count;
     let per_stage = registry::read_run(net, &m.id, count)
         .await
         .map_err(RegistryError::from)?;
+    let client = StageClient::new(net.clone(), m.id.clone(), m.config.codecs.activations);
     let mut peers: Vec<PeerId> = Vec::with_capacity(count);
     for (s, anns) in per_stage.iter().enumerate() {
-        let a = pick(anns).ok_or(ProbeError::NoReplica(s))?;
-        let peer: PeerId = a
-            .peer
-            .parse()
-            .map_err(|e| ProbeError::Announcement(format!("{e}")))?;
-        let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
-        net.add_addresses(peer, addrs)
-            .await
-            .map_err(RegistryError::from)?;
-        peers.push(peer);
+        let mut last = ProbeError::NoReplica(s);
+        for a in by_throughput(anns) {
+            let peer: PeerId = a
+                .peer
+                .parse()
+                .map_err(|e| ProbeError::Announcement(format!("{e}")))?;
+            let addrs: Vec<Multiaddr> = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
+            net.add_addresses(peer, addrs)
+                .await
+                .map_err(RegistryError::from)?;
+            match client.info(peer, s).await {
+                Ok(_) => {
+                    peers.push(peer);
+                    break;
+                }
+                Err(cause) => {
+                    last = ProbeError::Call {
+                        stage: s,
+                        peer: peer.to_string(),
+                        cause,
+                    }
+                }
+            }
+        }
+        if peers.len() == s {
+            return Err(last);
+        }
     }
     Ok(peers)
 }
@@ -258,7 +279,7 @@ fn broken(stage: usize, peer: PeerId, what: &str) -> ProbeError {
 /// Mean held-out loss of the swarm's current parameters over `batches` eval batches:
 /// forward only, as probe calls (nothing kept or accumulated, whatever the replicas'
 /// step), the loss computed here from the last stage's
-/// logits. Uses the highest-throughput replica of each stage.
+/// logits. Uses the highest-throughput replica of each stage that answers.
 pub async fn evaluate(net: &NetHandle, m: &Manifest, batches: usize) -> Result<f64, ProbeError> {
     let peers = route(net, m).await?;
     evaluate_on(net, m, &peers, batches).await
