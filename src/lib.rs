@@ -71,7 +71,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t =
 /// handed back memory about to be used again, and the kernel zeroed it afresh, in 2 MiB
 /// huge pages, on the next touch — 10–30 thousand page faults a second per replica in
 /// `bench swarm --scenario real`, ~10% of the machine's CPU (`shoal bench swarm
-/// --scenario real`: 429–475 samples/s at 1 s, 531–555 at 10 s, 565–571 at 60 s).
+/// --scenario real`: 429–475 samples/s at 1 s, 527–556 at 10 s, 565–571 at 60 s).
 /// [`release_memory`] still hands memory back at once where a large stage asks.
 pub const PURGE_DELAY_MS: i64 = 60_000;
 

@@ -130,14 +130,13 @@ struct Meter {
 }
 
 impl Meter {
-    /// A call starts at `now`; returns `now`, for its [`Self::end`].
-    fn start(&mut self, now: Instant) -> Instant {
+    /// A call starts at `now`.
+    fn start(&mut self, now: Instant) {
         if self.in_flight == 0 {
             self.since = Some(now);
             self.bytes = 0;
         }
         self.in_flight += 1;
-        now
     }
 
     /// The call that started at `started` ended at `now` having sent `bytes` (0: not
@@ -268,10 +267,10 @@ pub(super) async fn bulk_sender(
                 let frame = job.frame;
                 let floats = wire::header::parse_header(&frame, &Limits::default())
                     .map_or(0, |(h, _)| h.elements());
-                let started = match meter.lock() {
-                    Ok(mut m) => m.start(Instant::now()),
-                    Err(_) => Instant::now(),
-                };
+                let started = Instant::now();
+                if let Ok(mut m) = meter.lock() {
+                    m.start(started);
+                }
                 let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
                     is_live(job.key)
                 })
@@ -303,18 +302,18 @@ mod tests {
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let avg = AtomicU64::new(0);
         let mut m = Meter::default();
-        let a = m.start(at(0));
-        let b = m.start(at(0));
-        m.end(500_000, a, at(1000), &avg);
+        m.start(at(0));
+        m.start(at(0));
+        m.end(500_000, at(0), at(1000), &avg);
         // A second of busy time: the first call's bytes over it.
         assert_eq!(avg.load(Ordering::Relaxed), 500_000);
-        m.end(530_000, b, at(1030), &avg);
+        m.end(530_000, at(0), at(1030), &avg);
         // The second call counts for its 30 ms inside the new interval (15 kB, too few to
         // time a link), not whole: 530 kB over 30 ms would have read as 17.7 MB/s.
         assert_eq!(avg.load(Ordering::Relaxed), 500_000);
         // Alone, a call is timed whole.
-        let c = m.start(at(2000));
-        m.end(400_000, c, at(2500), &avg);
+        m.start(at(2000));
+        m.end(400_000, at(2000), at(2500), &avg);
         assert_eq!(avg.load(Ordering::Relaxed), (3 * 500_000 + 800_000) / 4);
     }
 }

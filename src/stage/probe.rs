@@ -100,16 +100,24 @@ fn by_throughput(anns: &[Announcement]) -> Vec<&Announcement> {
     v
 }
 
+/// A stage's replica as [`route`] found it: its step and the round trip of the `info`
+/// call that found it answering (the first call to it, so a dial included).
+struct Routed {
+    peer: PeerId,
+    step: u64,
+    rtt_ms: f64,
+}
+
 /// One replica per stage: the one of highest announced throughput that answers (a replica
 /// that died is still announced until its record expires), with its addresses handed to
 /// the network so it can be dialled.
-async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<PeerId>, ProbeError> {
+async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<Routed>, ProbeError> {
     let count = m.config.stages.count;
     let per_stage = registry::read_run(net, &m.id, count)
         .await
         .map_err(RegistryError::from)?;
     let client = StageClient::new(net.clone(), m.id.clone(), m.config.codecs.activations);
-    let mut peers: Vec<PeerId> = Vec::with_capacity(count);
+    let mut peers: Vec<Routed> = Vec::with_capacity(count);
     for (s, anns) in per_stage.iter().enumerate() {
         let mut last = ProbeError::NoReplica(s);
         for a in by_throughput(anns) {
@@ -121,9 +129,14 @@ async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<PeerId>, ProbeError>
             net.add_addresses(peer, addrs)
                 .await
                 .map_err(RegistryError::from)?;
+            let t0 = Instant::now();
             match client.info(peer, s).await {
-                Ok(_) => {
-                    peers.push(peer);
+                Ok(info) => {
+                    peers.push(Routed {
+                        peer,
+                        step: info.step,
+                        rtt_ms: ms_since(t0),
+                    });
                     break;
                 }
                 Err(cause) => {
@@ -154,7 +167,8 @@ fn ms_since(t0: Instant) -> f64 {
 pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeReport, ProbeError> {
     let cfg = &m.config;
     let count = cfg.stages.count;
-    let peers = route(net, m).await?;
+    let routed = route(net, m).await?;
+    let peers: Vec<PeerId> = routed.iter().map(|r| r.peer).collect();
     let source = TokenSource::open(cfg)?;
     let b = Sampler::new(cfg.training.data_seed, u64::MAX).next_batch(
         &source,
@@ -176,23 +190,22 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
         let k = c.counters();
         [&k.sent, &k.received, &k.raw].map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
     };
-    // Each stage's step and round trip, before any tensor moves.
-    let mut stages = Vec::with_capacity(count);
-    for (s, &peer) in peers.iter().enumerate() {
-        let t0 = Instant::now();
-        let info = client.info(peer, s).await.map_err(fail(s, peer))?;
-        stages.push(StageProbe {
+    // Each stage's step and round trip, as routing found them, before any tensor moves.
+    let mut stages: Vec<StageProbe> = routed
+        .iter()
+        .enumerate()
+        .map(|(s, r)| StageProbe {
             stage: s,
-            peer: peer.to_string(),
-            step: info.step,
-            rtt_ms: ms_since(t0),
+            peer: r.peer.to_string(),
+            step: r.step,
+            rtt_ms: r.rtt_ms,
             forward_ms: None,
             backward_ms: 0.0,
             bytes_sent: 0,
             bytes_received: 0,
             codec_ratio: 0.0,
-        });
-    }
+        })
+        .collect();
     let mut tally = vec![[0u64; 3]; count];
     // Forward through every stage but the last, keeping each input for the backward.
     let mut inputs = vec![x.clone()];
@@ -281,7 +294,7 @@ fn broken(stage: usize, peer: PeerId, what: &str) -> ProbeError {
 /// step), the loss computed here from the last stage's
 /// logits. Uses the highest-throughput replica of each stage that answers.
 pub async fn evaluate(net: &NetHandle, m: &Manifest, batches: usize) -> Result<f64, ProbeError> {
-    let peers = route(net, m).await?;
+    let peers: Vec<PeerId> = route(net, m).await?.iter().map(|r| r.peer).collect();
     evaluate_on(net, m, &peers, batches).await
 }
 
