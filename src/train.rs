@@ -215,6 +215,128 @@ fn forward_all(
     Ok(acts)
 }
 
+/// One microbatch through every stage and back: its mean loss, each stage's parameter
+/// gradients (of the mean loss) and the bytes that crossed stage boundaries.
+struct Microbatch {
+    loss: f32,
+    grads: Vec<Vec<Tensor>>,
+    raw_bytes: u64,
+    wire_bytes: u64,
+}
+
+/// A part of a microbatch through the whole pipeline on the calling thread: each stage's
+/// forward keeps its graph and its backward runs through it (nothing is computed twice);
+/// activations and their gradients cross every boundary through the codec, as on the wire.
+fn pipeline(
+    stages: &[Stage],
+    x: &Tensor,
+    y: &Tensor,
+    spec: CodecSpec,
+) -> Result<Microbatch, TrainError> {
+    let mut wire = Boundary::new(spec);
+    let last = stages.len() - 1;
+    let mut kept = Vec::with_capacity(stages.len());
+    let mut cur = x.clone();
+    for (i, s) in stages.iter().enumerate() {
+        let k = s.forward_kept(&cur)?;
+        if i < last {
+            cur = wire.cross(&k.output().detach())?;
+        }
+        kept.push(k);
+    }
+    let mut grads = vec![Vec::new(); stages.len()];
+    let mut loss = 0.0;
+    let mut grad: Option<Tensor> = None;
+    for (i, k) in kept.into_iter().enumerate().rev() {
+        let up = match &grad {
+            None => Upstream::Targets(y),
+            Some(g) => Upstream::Grad(g),
+        };
+        let out = stages[i].backward_kept(k, up)?;
+        loss += out.loss.unwrap_or(0.0);
+        grads[i] = out.grads;
+        grad = match out.grad_input {
+            Some(g) => Some(wire.cross(&g)?),
+            None => None,
+        };
+    }
+    Ok(Microbatch {
+        loss,
+        grads,
+        raw_bytes: wire.raw_bytes,
+        wire_bytes: wire.wire_bytes,
+    })
+}
+
+/// A microbatch cut into `shards` parts along the batch, each through the whole pipeline on
+/// its own thread (CPU only; elsewhere, or for one part, on this thread). Each part's loss is
+/// its mean, so the parts' losses and gradients are weighted by their share of the batch:
+/// the sums are the whole microbatch's up to float rounding. Staging costs no extra compute
+/// and no serialization beyond the codec's own rounding.
+fn microbatch(
+    stages: &[Stage],
+    x: &Tensor,
+    y: &Tensor,
+    spec: CodecSpec,
+    shards: usize,
+) -> Result<Microbatch, TrainError> {
+    let batch = x.dims().first().copied().unwrap_or(0);
+    let shards = shards.min(batch);
+    if shards <= 1 || !x.device().is_cpu() {
+        return pipeline(stages, x, y, spec);
+    }
+    let parts: Vec<(usize, usize)> = (0..shards)
+        .map(|k| {
+            (
+                k * batch / shards,
+                (k + 1) * batch / shards - k * batch / shards,
+            )
+        })
+        .collect();
+    let run = |(at, n): (usize, usize)| -> Result<Microbatch, TrainError> {
+        pipeline(stages, &x.narrow(0, at, n)?, &y.narrow(0, at, n)?, spec)
+    };
+    let outs: Vec<Result<Microbatch, TrainError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = parts[1..]
+            .iter()
+            .map(|&p| s.spawn(move || run(p)))
+            .collect();
+        let mut outs = vec![run(parts[0])];
+        for h in handles {
+            outs.push(h.join().unwrap_or_else(|_| {
+                Err(ModelError::BadInput("a microbatch thread panicked".into()).into())
+            }));
+        }
+        outs
+    });
+    let mut total = Microbatch {
+        loss: 0.0,
+        grads: vec![Vec::new(); stages.len()],
+        raw_bytes: 0,
+        wire_bytes: 0,
+    };
+    for (out, &(_, n)) in outs.into_iter().zip(&parts) {
+        let out = out?;
+        let w = n as f64 / batch as f64;
+        total.loss += w as f32 * out.loss;
+        total.raw_bytes += out.raw_bytes;
+        total.wire_bytes += out.wire_bytes;
+        for (acc, g) in total.grads.iter_mut().zip(&out.grads) {
+            if acc.is_empty() {
+                *acc = g
+                    .iter()
+                    .map(|t| t.affine(w, 0.0))
+                    .collect::<candle_core::Result<_>>()?;
+            } else {
+                for (a, t) in acc.iter_mut().zip(g) {
+                    *a = (&*a + t.affine(w, 0.0)?)?;
+                }
+            }
+        }
+    }
+    Ok(total)
+}
+
 /// Mean loss over `n` held-out batches.
 pub fn evaluate(
     cfg: &RunConfig,
@@ -287,27 +409,19 @@ pub fn train_local(
         for _ in 0..micro_per_step {
             let b = sampler.next_batch(&source, batch, seq);
             let (x, y) = batch_tensors(&b, &opts.device)?;
-            let acts = forward_all(&stages, x, &mut wire)?;
-            let mut grad: Option<Tensor> = None;
-            for (i, stage) in stages.iter().enumerate().rev() {
-                let up = match &grad {
-                    None => Upstream::Targets(&y),
-                    Some(g) => Upstream::Grad(g),
-                };
-                let out = stage.backward_par(&acts[i], up, opts.threads)?;
-                loss_sum += out.loss.unwrap_or(0.0);
-                acc[i] = Some(match acc[i].take() {
-                    None => out.grads,
+            let mb = microbatch(&stages, &x, &y, cfg.codecs.activations, opts.threads)?;
+            loss_sum += mb.loss;
+            wire.raw_bytes += mb.raw_bytes;
+            wire.wire_bytes += mb.wire_bytes;
+            for (slot, grads) in acc.iter_mut().zip(mb.grads) {
+                *slot = Some(match slot.take() {
+                    None => grads,
                     Some(prev) => prev
                         .iter()
-                        .zip(&out.grads)
+                        .zip(&grads)
                         .map(|(a, b)| a + b)
                         .collect::<candle_core::Result<Vec<_>>>()?,
                 });
-                grad = match out.grad_input {
-                    Some(g) => Some(wire.cross(&g)?),
-                    None => None,
-                };
             }
             tokens += (batch * seq) as u64;
         }
