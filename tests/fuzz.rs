@@ -69,6 +69,7 @@ fn request(op: Op, tensors: u8) -> Request {
         dry: false,
         push_to: None,
         pushed: false,
+        sync: false,
     }
 }
 

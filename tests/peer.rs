@@ -504,6 +504,7 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
         dry: false,
         push_to: None,
         pushed: false,
+        sync: false,
     };
     let check_alive = || async {
         let out = sc
@@ -690,6 +691,7 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
         dry: false,
         push_to: None,
         pushed: false,
+        sync: false,
     };
     let message = |r: &Request, frames: &[Vec<u8>]| {
         let mut out = shoal::wire::msg::encode_header(r);
@@ -850,6 +852,7 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
         dry: false,
         push_to: None,
         pushed: false,
+        sync: false,
     };
     let mut bytes = shoal::wire::msg::encode_header(&request);
     bytes.extend_from_slice(&(hidden.len() as u64).to_le_bytes());

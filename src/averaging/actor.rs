@@ -74,7 +74,7 @@ pub(super) struct State {
     /// The members of the last round this replica completed (sorted): the next round's
     /// members while none joins or leaves ([`plan::expected_members`]).
     pub(super) last_members: Vec<PeerId>,
-    pub(super) last_sent: Option<(u64, u64, u64, u64, String)>,
+    pub(super) last_sent: Option<(u64, u64, u64, u64, u64, String)>,
     pub(super) last_sent_at: Instant,
     /// Progress messages sent since this replica's step last changed.
     pub(super) sent_at_step: u32,
@@ -247,6 +247,24 @@ impl State {
         }
     }
 
+    /// Tells the service what the other live replicas at this one's step hold or owe
+    /// toward it (stage 0 admits synchronous microbatches by it).
+    fn tell_service_others(&self, st: &ReplicaStatus, now: Instant) {
+        let s = st.params_step;
+        let mut others = crate::stage::sync::Others {
+            step: s,
+            used: 0,
+            replicas: 0,
+        };
+        for v in self.views.values() {
+            if v.is_live(now, self.cfg.live_timeout) && v.params_step == s {
+                others.replicas += 1;
+                others.used += v.used_at(s);
+            }
+        }
+        self.service.set_others(others);
+    }
+
     /// Sends progress on change (at most every 100 ms; at once when the step changed, for
     /// the first change after that, and when it fills the step's batch) or as a heartbeat.
     fn heartbeat(&mut self, st: &ReplicaStatus) {
@@ -255,6 +273,7 @@ impl State {
             st.accum_step,
             st.accum_count,
             st.frozen_count,
+            st.owed_count,
             st.params_hash.clone(),
         );
         // libp2p-stream drops inbound streams that arrive faster than they are accepted, so
@@ -292,6 +311,7 @@ impl State {
                 frozen: st.frozen_count,
                 hash: st.params_hash.clone(),
                 uplink: self.stats.uplink.load(Ordering::Relaxed),
+                owed: st.owed_count,
             };
             for p in self.others() {
                 self.send(p, msg.clone());
@@ -310,6 +330,7 @@ impl State {
             .retain(|_, v| now.saturating_duration_since(v.at) < FORGET_AFTER);
         let st = self.status();
         self.step.store(st.params_step, Ordering::Relaxed);
+        self.tell_service_others(&st, now);
         self.heartbeat(&st);
         // Members of the next step that came early: join now that this replica is there.
         match self.next_members.take() {
@@ -512,6 +533,7 @@ impl State {
                 frozen,
                 hash,
                 uplink,
+                owed,
             } => {
                 self.views.insert(
                     from,
@@ -522,6 +544,7 @@ impl State {
                         frozen,
                         hash,
                         uplink,
+                        owed,
                         at: Instant::now(),
                     },
                 );

@@ -24,6 +24,8 @@ pub struct View {
     pub hash: String,
     /// Its measured uplink for averaging parts, bytes/s (0: unknown).
     pub uplink: u64,
+    /// Samples of synchronous microbatches owed toward `accum_step`.
+    pub owed: u64,
     /// When it was heard.
     pub at: Instant,
 }
@@ -38,6 +40,7 @@ impl View {
             frozen: st.frozen_count,
             hash: st.params_hash.clone(),
             uplink: 0,
+            owed: st.owed_count,
             at,
         }
     }
@@ -49,6 +52,11 @@ impl View {
         } else {
             0
         }) + self.frozen
+    }
+
+    /// Samples it holds or owes toward `step` (what stage 0's admission counts as taken).
+    pub fn used_at(&self, step: u64) -> u64 {
+        self.pending_at(step) + if self.accum_step == step { self.owed } else { 0 }
     }
 
     /// Whether it was heard within `timeout` of `now`.

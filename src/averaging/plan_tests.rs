@@ -16,6 +16,7 @@ fn peers(n: usize) -> Vec<PeerId> {
 
 fn view(step: u64, count: u64, hash: &str, at: Instant) -> View {
     View {
+        owed: 0,
         params_step: step,
         accum_step: step,
         count,

@@ -376,6 +376,7 @@ mod tests {
             dry: false,
             push_to: None,
             pushed: false,
+            sync: false,
         }
     }
 

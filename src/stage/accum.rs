@@ -23,6 +23,8 @@ pub struct Accum {
     pub(super) params_step: u64,
     seen: HashSet<u64>,
     seen_order: VecDeque<u64>,
+    /// Synchronous microbatches whose forward ran here and whose backward has not come.
+    pub(super) owed: super::sync::Owed,
 }
 
 impl Accum {
@@ -67,6 +69,11 @@ impl Accum {
         )
     }
 
+    /// Samples of synchronous microbatches owed toward the step accumulated now.
+    pub fn owed_now(&self) -> u64 {
+        self.owed.at(self.accum_step(), std::time::Instant::now())
+    }
+
     pub(super) fn accum_step(&self) -> u64 {
         match &self.frozen {
             Some(f) if f.step == self.params_step => self.params_step + 1,
@@ -82,6 +89,7 @@ impl Accum {
         self.count = 0;
         self.frozen = None;
         self.params_step = step;
+        self.owed.clear();
         dropped
     }
 

@@ -155,6 +155,8 @@ pub struct StageClient {
     counters: Arc<ClientCounters>,
     pool: Arc<Pool>,
     sending: Arc<tokio::sync::Semaphore>,
+    /// Forwards and backwards belong to synchronous steps ([`Request::sync`]).
+    sync: bool,
 }
 
 /// Requests a client writes at once. Its uplink is shared by every call in flight: with all
@@ -185,7 +187,16 @@ impl StageClient {
             counters: Arc::new(ClientCounters::default()),
             pool: Arc::new(Pool::default()),
             sending: Arc::new(tokio::sync::Semaphore::new(SENDING)),
+            sync: false,
         }
+    }
+
+    /// Marks this client's forwards and backwards as synchronous ([`Request::sync`]): the
+    /// `step` they carry is the step their microbatch belongs to (on stage 0's forward, the
+    /// step it asks for at the earliest).
+    pub fn with_sync(mut self, sync: bool) -> Self {
+        self.sync = sync;
+        self
     }
 
     /// A kept stream to `peer`, if one is fresh enough.
@@ -299,6 +310,7 @@ impl StageClient {
             dry: false,
             push_to: None,
             pushed: false,
+            sync: self.sync && matches!(op, Op::Forward | Op::Backward),
         }
     }
 

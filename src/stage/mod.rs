@@ -10,6 +10,7 @@
 //! - [`status`]: what `shoal status` prints.
 //! - [`probe`]: one microbatch through the swarm (`shoal probe`).
 //! - [`tensor`]: candle tensors to wire frames.
+//! - [`sync`]: which synchronous step a microbatch joins (admission at stage 0).
 //! - [`sim`]: the timed stand-in stage for benchmarks (`stages.kind = "sim"`).
 //!
 //! Not here: routing of microbatches across replicas and gradient averaging (trainer and
@@ -27,13 +28,14 @@ pub mod select;
 pub mod service;
 pub mod sim;
 pub mod status;
+pub mod sync;
 pub mod tensor;
 
 use libp2p::StreamProtocol;
 
 /// The stage call protocol; its version is the wire format's ([`crate::wire::msg::MSG_VERSION`]),
 /// so peers of different formats never open a stream to each other.
-pub const STAGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/stage/4");
+pub const STAGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/stage/5");
 
 #[cfg(test)]
 mod tests {

@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex};
 pub const KEPT_CAP: usize = 32;
 
 /// Stages of at least this many parameters give freed memory back to the OS after each
-/// backward and each step ([`crate::release_memory`]); smaller ones keep it for speed.
+/// step ([`crate::release_memory`]; not after each backward, whose buffers the next one
+/// reuses); smaller ones keep it for speed.
 const RELEASE_NUMEL: usize = 1 << 24;
 
 /// The mutable state of one replica.
@@ -188,6 +189,11 @@ impl Replica {
         self.acc().count
     }
 
+    /// Samples of synchronous microbatches owed toward the step accumulated now.
+    pub fn owed_count(&self) -> u64 {
+        self.acc().owed_now()
+    }
+
     /// Samples frozen for a round in progress.
     pub fn frozen_count(&self) -> u64 {
         self.acc().frozen.as_ref().map_or(0, |f| f.count)
@@ -339,8 +345,6 @@ impl Replica {
         acc.add(n, &grads, numel)?;
         drop(acc);
         self.max_staleness = self.max_staleness.max(staleness);
-        drop(grads);
-        self.release_if_large();
         Ok((g, true))
     }
 
@@ -374,7 +378,7 @@ impl Replica {
         (self.stale_recomputed, self.max_staleness)
     }
 
-    /// After a gradient-sized free on a large stage, gives freed memory back at once.
+    /// After a step on a large stage, gives freed memory back at once.
     fn release_if_large(&self) {
         if self.numel >= RELEASE_NUMEL {
             crate::release_memory();
@@ -472,6 +476,10 @@ impl Replica {
 #[path = "replica_state.rs"]
 mod state;
 pub use state::Snapshot;
+
+#[path = "replica_sync.rs"]
+mod sync;
+pub use sync::SyncError;
 
 #[cfg(test)]
 #[path = "replica_tests.rs"]

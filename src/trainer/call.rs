@@ -11,6 +11,21 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+/// Why a stage call gave up.
+#[derive(Debug)]
+pub(super) enum Failure {
+    /// A synchronous microbatch's step closed on the replica: start the microbatch again.
+    Closed,
+    /// No replica could take it: the microbatch fails for this reason.
+    Failed(String),
+}
+
+impl From<String> for Failure {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
+}
+
 /// A short label of why a call is repeated elsewhere.
 pub(super) fn swap_reason(e: &CallError) -> String {
     match e {
@@ -88,6 +103,8 @@ pub(super) fn settle(
 pub(super) fn ban_for(e: &CallError, ban: Duration) -> Duration {
     match e.kind() {
         Some(ErrorKind::Overloaded) => Duration::from_millis(200),
+        // The replica is fine: the microbatch's step moved on.
+        Some(ErrorKind::StepClosed) => Duration::ZERO,
         _ => ban,
     }
 }
@@ -100,7 +117,7 @@ pub(super) async fn call_stage<T, F, Fut>(
     preferred: Option<PeerId>,
     samples: u64,
     call: F,
-) -> Result<(PeerId, T), String>
+) -> Result<(PeerId, T), Failure>
 where
     F: Fn(PeerId, u64) -> Fut,
     Fut: Future<Output = Result<T, CallError>>,
@@ -115,10 +132,10 @@ where
         first = false;
         let Some(peer) = pick else {
             if last_usable.elapsed() >= ctx.cfg.stage_deadline {
-                return Err(format!(
+                return Err(Failure::Failed(format!(
                     "stage {s}: no usable replica for {:?} ({last_err})",
                     ctx.cfg.stage_deadline
-                ));
+                )));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
@@ -140,7 +157,7 @@ where
         tracing::trace!(target: "shoal::trainer", stage = s, ms = secs * 1e3, "stage call");
         let pause = 'pause: {
             let Ok(mut table) = ctx.table.lock() else {
-                return Err("trainer state poisoned".into());
+                return Err(Failure::Failed("trainer state poisoned".into()));
             };
             let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
             match r {
@@ -155,6 +172,12 @@ where
                     return Ok((peer, v));
                 }
                 Err(e) => {
+                    if e.kind() == Some(ErrorKind::StepClosed) {
+                        if let Some((_, st)) = entry {
+                            st.in_flight = st.in_flight.saturating_sub(1);
+                        }
+                        return Err(Failure::Closed);
+                    }
                     if let CallError::Remote {
                         kind: ErrorKind::StaleStep,
                         step: theirs,
@@ -179,7 +202,7 @@ where
                         if let Some((_, st)) = entry {
                             st.in_flight = st.in_flight.saturating_sub(1);
                         }
-                        return Err(format!("stage {s}: {e}"));
+                        return Err(Failure::Failed(format!("stage {s}: {e}")));
                     }
                     let ban = ban_for(&e, ctx.cfg.ban);
                     if let Some((_, st)) = entry {

@@ -25,7 +25,7 @@ use crate::dht::Manifest;
 use crate::net::NetHandle;
 use crate::rng::{derive_seed, Rng};
 use crate::stage::client::StageClient;
-use call::call_stage;
+use call::{call_stage, Failure};
 use candle_core::{Device, Tensor};
 use libp2p::PeerId;
 use routing::ReplicaState;
@@ -41,7 +41,8 @@ pub struct TrainerConfig {
     /// Which data stream this trainer reads (distinct per trainer).
     pub index: u64,
     /// Microbatches in flight at once (without `sync_steps`, a microbatch's place is taken
-    /// by the next as its last backward goes out).
+    /// by the next as its last backward goes out; with it, at least one per stage and a
+    /// step's worth).
     pub concurrency: usize,
     /// Per-call timeout.
     pub call_timeout: Duration,
@@ -53,8 +54,11 @@ pub struct TrainerConfig {
     pub refresh: Duration,
     /// Stop after this many microbatches (default: when the run reaches its last step).
     pub max_microbatches: Option<u64>,
-    /// After each microbatch, wait until stage 0 has applied the step it went into before
-    /// starting the next: less stale gradients, less overlap.
+    /// Synchronous steps: every gradient of step s computed at parameters s. In a pipeline,
+    /// stage 0 assigns each microbatch its step and holds it until a step has room
+    /// ([`crate::stage::sync`]), and the trainer keeps enough microbatches in flight to keep
+    /// every stage busy; with one stage, the trainer waits after each microbatch until the
+    /// stage applied the step it went into.
     pub sync_steps: bool,
     /// How replicas are picked.
     pub routing: Routing,
@@ -107,6 +111,8 @@ struct Ctx {
     client: StageClient,
     stages: usize,
     total_steps: u64,
+    /// The run's target batch.
+    target: usize,
     table: Mutex<Table>,
     stats: Arc<TrainerStats>,
     rng: Mutex<Rng>,
@@ -151,7 +157,8 @@ impl Trainer {
         };
         let stages = m.config.stages.count;
         let client = StageClient::new(net, m.id.clone(), m.config.codecs.activations)
-            .with_timeout(cfg.call_timeout);
+            .with_timeout(cfg.call_timeout)
+            .with_sync(cfg.sync_steps && stages > 1);
         let stats = Arc::new(TrainerStats::new(stages));
         let seed = derive_seed(m.config.training.data_seed, &format!("route/{}", cfg.index));
         let ctx = Arc::new(Ctx {
@@ -159,6 +166,7 @@ impl Trainer {
             client: client.clone(),
             stages,
             total_steps: m.config.training.steps,
+            target: m.config.target_batch_size(),
             table: Mutex::new(vec![Vec::new(); stages]),
             stats: Arc::clone(&stats),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
@@ -249,7 +257,7 @@ async fn run(
         }))
     };
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
-    let sem = Arc::new(Semaphore::new(ctx.cfg.concurrency.max(1)));
+    let sem = Arc::new(Semaphore::new(in_flight(&ctx.cfg, ctx.stages, batch, ctx.target)));
     let mut tasks = tokio::task::JoinSet::new();
     let mut counter: u64 = 0;
     let tag = derive_seed(ctx.cfg.index, &ctx.client.local_peer_id().to_string()) << 24;
@@ -279,6 +287,19 @@ async fn run(
     // Every microbatch to its end (a permit may be given back before it).
     while tasks.join_next().await.is_some() {}
     refresher.abort();
+}
+
+/// Microbatches a trainer keeps in flight: `--concurrency`, and with synchronous steps in a
+/// pipeline at least one per stage and a step's worth (`target` samples in microbatches of
+/// `batch`), so that every stage has work and the next step's microbatches wait at stage 0
+/// while the current step's round runs.
+fn in_flight(cfg: &TrainerConfig, stages: usize, batch: usize, target: usize) -> usize {
+    let c = cfg.concurrency.max(1);
+    if cfg.sync_steps && stages > 1 {
+        c.max(stages).max(target.div_ceil(batch.max(1)))
+    } else {
+        c
+    }
 }
 
 fn fail(ctx: &Ctx, n: u64, reason: String) {
@@ -337,6 +358,18 @@ impl Drop for Owed<'_> {
     }
 }
 
+/// One microbatch as the stage calls see it: its id, the synchronous step it belongs to
+/// (once stage 0 assigned one), its samples.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Micro {
+    id: u64,
+    tag: Option<u64>,
+    n: u64,
+}
+
+/// Times a synchronous microbatch is started again after its step closed before it fails.
+const MAX_RESTARTS: u64 = 16;
+
 async fn microbatch(
     ctx: &Ctx,
     mb: u64,
@@ -354,48 +387,111 @@ async fn microbatch(
         (Ok(x), Ok(y)) => (x, y),
         _ => return fail(ctx, n, "could not build the batch tensors".into()),
     };
+    let mut id = mb;
+    let mut restarts = 0;
+    loop {
+        let micro = Micro { id, tag: None, n };
+        match pass(ctx, micro, &x, &y, &mut permit).await {
+            Ok(stage0) => {
+                ctx.stats.completed.fetch_add(n, Ordering::Relaxed);
+                if ctx.stages == 1 && ctx.cfg.sync_steps {
+                    if let Some((peer, step)) = stage0 {
+                        wait_for_step(ctx, peer, step).await;
+                    }
+                }
+                return;
+            }
+            // Its step filled meanwhile: again, under a new id (a replica may have
+            // accumulated the old one into the closed step), into the step open now.
+            Err(Failure::Closed) if restarts < MAX_RESTARTS => {
+                restarts += 1;
+                ctx.stats.restarts.fetch_add(1, Ordering::Relaxed);
+                id = crate::rng::mix64(mb ^ restarts.rotate_left(40)) | 1;
+            }
+            Err(Failure::Closed) => {
+                return fail(
+                    ctx,
+                    n,
+                    format!("its synchronous step closed {MAX_RESTARTS} times in a row"),
+                )
+            }
+            Err(Failure::Failed(reason)) => return fail(ctx, n, reason),
+        }
+    }
+}
+
+/// With one stage, there is no stage 0 forward to hold a microbatch for its step: after
+/// each microbatch, wait until the stage applied the step it went into.
+async fn wait_for_step(ctx: &Ctx, peer: PeerId, step: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        match ctx.client.info(peer, 0).await {
+            Ok(h) => {
+                ctx.stats.stage_steps[0].fetch_max(h.step, Ordering::Relaxed);
+                // Done, or the last step of the run will never come: stop waiting.
+                if h.step > step || ctx.stats.min_stage_step() >= ctx.total_steps {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(_) => break,
+        }
+    }
+}
+
+/// The forwards and backwards of one microbatch; the replica of stage 0 that took its
+/// backward, and the step it reported.
+async fn pass(
+    ctx: &Ctx,
+    mut micro: Micro,
+    x: &Tensor,
+    y: &Tensor,
+    permit: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+) -> Result<Option<(PeerId, u64)>, Failure> {
+    let (mb, n) = (micro.id, micro.n);
+    // Synchronous microbatches of a pipeline carry their step (assigned by stage 0).
+    let sync = ctx.cfg.sync_steps && ctx.stages > 1;
     let last = ctx.stages - 1;
-    let mut inputs = vec![x];
+    let mut inputs = vec![x.clone()];
     // Which replica ran each stage's forward, and the backward it is owed.
     let mut owed = Owed::new(ctx);
     // The last stage's answer when its input was pushed there.
     let mut pushed = None;
     for s in 0..last {
         if s + 1 == last && ctx.cfg.push {
-            match push::into_last(ctx, s, mb, &inputs[s], &y, n, &mut owed).await {
-                Ok(push::Hop::Done(peer, reply)) => {
+            match push::into_last(ctx, s, micro, &inputs[s], y, &mut owed).await? {
+                push::Hop::Done(peer, reply) => {
                     pushed = Some((peer, reply));
                     break;
                 }
-                Ok(push::Hop::Plain(Some(out))) => {
+                push::Hop::Plain(Some(out)) => {
                     inputs.push(out);
                     continue;
                 }
                 // The forward runs again below, its output coming back this time.
-                Ok(push::Hop::Plain(None)) => {
+                push::Hop::Plain(None) => {
                     owed.settle(s);
                 }
-                Err(reason) => return fail(ctx, n, reason),
             }
         }
         let input = inputs[s].clone();
-        let r = call_stage(ctx, s, None, n, |peer, step| {
+        let tag = micro.tag;
+        let (peer, (out, step)) = call_stage(ctx, s, None, n, |peer, step| {
             let c = ctx.client.clone();
             let input = input.clone();
+            let step = tag.unwrap_or(step);
             async move { c.forward_step(peer, s, step, mb, &input).await }
         })
-        .await;
-        match r {
-            Ok((peer, (out, step))) => {
-                ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
-                ctx.stats.step.fetch_max(step, Ordering::Relaxed);
-                owed.add(s, peer);
-                inputs.push(out);
-            }
-            Err(reason) => return fail(ctx, n, reason),
+        .await?;
+        if sync && micro.tag.is_none() {
+            micro.tag = Some(step);
         }
+        ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
+        ctx.stats.step.fetch_max(step, Ordering::Relaxed);
+        owed.add(s, peer);
+        inputs.push(out);
     }
-    let mut upstream = y;
+    let mut upstream = y.clone();
     let mut stage0: Option<(PeerId, u64)> = None;
     for s in (0..=last).rev() {
         if s == 0 && !ctx.cfg.sync_steps {
@@ -404,56 +500,40 @@ async fn microbatch(
             permit.take();
         }
         let ran_forward = owed.settle(s);
-        let r = match pushed.take() {
-            Some(done) => Ok(done),
+        let reply = match pushed.take() {
+            Some(done) => done,
             None => {
                 let input = inputs[s].clone();
                 let up = upstream.clone();
+                let tag = micro.tag;
                 call_stage(ctx, s, ran_forward, n, |peer, step| {
                     let c = ctx.client.clone();
                     let (input, up) = (input.clone(), up.clone());
+                    let step = tag.unwrap_or(step);
                     async move { c.backward(peer, s, step, mb, &input, &up).await }
                 })
-                .await
+                .await?
             }
         };
-        match r {
-            Ok((peer, reply)) => {
-                if s == 0 {
-                    stage0 = Some((peer, reply.step));
-                }
-                ctx.stats.stage_backward[s].fetch_add(n, Ordering::Relaxed);
-                ctx.stats.step.fetch_max(reply.step, Ordering::Relaxed);
-                ctx.stats.stage_steps[s].fetch_max(reply.step, Ordering::Relaxed);
-                if let Some(l) = reply.loss {
-                    ctx.stats.record_loss(reply.step, l);
-                }
-                match reply.grad_input {
-                    Some(g) => upstream = g,
-                    None if s > 0 => {
-                        return fail(ctx, n, format!("stage {s} returned no input gradient"))
-                    }
-                    None => {}
-                }
+        let (peer, reply) = reply;
+        if s == 0 {
+            stage0 = Some((peer, reply.step));
+        }
+        ctx.stats.stage_backward[s].fetch_add(n, Ordering::Relaxed);
+        ctx.stats.step.fetch_max(reply.step, Ordering::Relaxed);
+        ctx.stats.stage_steps[s].fetch_max(reply.step, Ordering::Relaxed);
+        if let Some(l) = reply.loss {
+            ctx.stats.record_loss(reply.step, l);
+        }
+        match reply.grad_input {
+            Some(g) => upstream = g,
+            None if s > 0 => {
+                return Err(Failure::Failed(format!(
+                    "stage {s} returned no input gradient"
+                )))
             }
-            Err(reason) => return fail(ctx, n, reason),
+            None => {}
         }
     }
-    ctx.stats.completed.fetch_add(n, Ordering::Relaxed);
-    if let (true, Some((peer, step))) = (ctx.cfg.sync_steps, stage0) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            match ctx.client.info(peer, 0).await {
-                Ok(h) => {
-                    ctx.stats.stage_steps[0].fetch_max(h.step, Ordering::Relaxed);
-                    // Done, or the last step of the run will never come: stop waiting.
-                    if h.step > step || ctx.stats.min_stage_step() >= ctx.total_steps {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                Err(_) => break,
-            }
-        }
-    }
+    Ok(stage0)
 }

@@ -8,8 +8,8 @@
 //! the forward's answer; a last-stage call that failed after the push gets the forward run
 //! again. No sample is lost to the hop.
 
-use super::call::{ban_for, call_stage, pick, settle, swap_reason};
-use super::{Ctx, Owed, TrainerStats};
+use super::call::{ban_for, call_stage, pick, settle, swap_reason, Failure};
+use super::{Ctx, Micro, Owed, TrainerStats};
 use crate::stage::client::{BackwardReply, CallError};
 use candle_core::Tensor;
 use libp2p::PeerId;
@@ -25,27 +25,29 @@ pub(super) enum Hop {
     Plain(Option<Tensor>),
 }
 
-/// Runs stage `s`'s forward of microbatch `mb` (`n` samples) pushing into a replica of
-/// stage `s + 1`, the last, called with `targets`. `Err`: stage `s` had no usable replica.
+/// Runs stage `s`'s forward of microbatch `micro` pushing into a replica of
+/// stage `s + 1`, the last, called with `targets`; `tag`: the synchronous step the
+/// microbatch belongs to. `Err`: stage `s` had no usable replica, or the step closed.
 pub(super) async fn into_last(
     ctx: &Ctx,
     s: usize,
-    mb: u64,
+    micro: Micro,
     input: &Tensor,
     targets: &Tensor,
-    n: u64,
     owed: &mut Owed<'_>,
-) -> Result<Hop, String> {
+) -> Result<Hop, Failure> {
+    let Micro { id: mb, tag, n } = micro;
     let last = s + 1;
     let Some(to) = pick(ctx, last, None, n, Instant::now())? else {
         return Ok(Hop::Plain(None));
     };
     let t0 = Instant::now();
-    let step = ctx.stats.stage_steps[last].load(Ordering::Relaxed);
+    let step = tag.unwrap_or_else(|| ctx.stats.stage_steps[last].load(Ordering::Relaxed));
     let bwd = ctx.client.backward_pushed(to, last, step, mb, targets);
     let fwd = call_stage(ctx, s, None, n, |peer, step| {
         let c = ctx.client.clone();
         let input = input.clone();
+        let step = tag.unwrap_or(step);
         async move { c.forward_pushing(peer, s, step, mb, &input, to).await }
     });
     tokio::pin!(bwd);

@@ -30,6 +30,8 @@ pub struct TrainerStats {
     pub swaps: AtomicU64,
     /// Why calls were repeated elsewhere: error kind → count.
     pub swap_reasons: Mutex<BTreeMap<String, u64>>,
+    /// Synchronous microbatches started again because their step closed on the way.
+    pub restarts: AtomicU64,
 }
 
 /// Losses a trainer loop keeps.
@@ -53,6 +55,7 @@ impl TrainerStats {
             stage_replicas: (0..stages).map(|_| AtomicU64::new(0)).collect(),
             swaps: AtomicU64::new(0),
             swap_reasons: Mutex::new(BTreeMap::new()),
+            restarts: AtomicU64::new(0),
         }
     }
 

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 pub const MAX_HEADER: usize = 64 << 10;
 
 /// The version of this message format.
-pub const MSG_VERSION: u8 = 4;
+pub const MSG_VERSION: u8 = 5;
 
 /// Most tensor frames one message may carry.
 pub const MAX_TENSORS: u8 = 8;
@@ -84,6 +84,10 @@ pub enum AvgMsg {
         /// yet); rounds with it allow for the slowest member's link.
         #[serde(default)]
         uplink: u64,
+        /// Samples of synchronous microbatches admitted toward `accum_step` whose backward
+        /// has not come yet (stage 0's admission counts them as taken).
+        #[serde(default)]
+        owed: u64,
     },
     /// From the round's leader: the members of an attempt at averaging `step`, in the order
     /// that assigns each its part.
@@ -200,6 +204,13 @@ pub struct Request {
     /// pushed by the previous stage's replica ([`Op::Push`]); the replica waits for it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pushed: bool,
+    /// For [`Op::Forward`] and [`Op::Backward`]: the microbatch belongs to synchronous
+    /// step `step` (every gradient of a step computed at that step's parameters). A forward
+    /// to stage 0 is assigned a step by the replica, which holds it until a step has room
+    /// for it (the answer's `step` says which); later stages hold a forward of a step they
+    /// have not reached, and refuse one of a step they have closed (`step_closed`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sync: bool,
 }
 
 /// Why a replica refused a request. Stable names: trainers branch on them.
@@ -227,6 +238,9 @@ pub enum ErrorKind {
     /// The replica refuses this caller for a while: its requests failed validation
     /// repeatedly.
     Banned,
+    /// A synchronous microbatch's step is closed on this replica (its batch was full):
+    /// start the microbatch again from stage 0, in the step open now.
+    StepClosed,
 }
 
 impl ErrorKind {
@@ -243,6 +257,7 @@ impl ErrorKind {
             Self::BadRequest => "bad_request",
             Self::Internal => "internal",
             Self::Banned => "banned",
+            Self::StepClosed => "step_closed",
         }
     }
 }

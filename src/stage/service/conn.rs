@@ -4,6 +4,7 @@
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
 use super::{lock, push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
+use crate::stage::sync;
 use crate::net::io::{self as netio, IoError};
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
 use crate::wire::WireError;
@@ -437,6 +438,12 @@ async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -
             }
         }
     }
+    let mut req = req;
+    if req.sync && !req.dry && req.op == Op::Forward {
+        if let Err(r) = hold_for_step(shared, &mut req, &frames).await {
+            return r;
+        }
+    }
     let (to, stage, step, mb) = (req.push_to.clone(), req.stage, req.step, req.mb);
     let mut reply = worker::queue_job(shared, req, frames).await;
     let Some(to) = to.and_then(|t| t.parse::<PeerId>().ok()) else {
@@ -456,6 +463,77 @@ async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -
         }
     }
     reply
+}
+
+/// Longest a synchronous forward is held for its step before it is refused `overloaded`
+/// (below a trainer's default call timeout, so the caller hears why).
+const HOLD_LIMIT: Duration = Duration::from_secs(15);
+
+/// Holds a synchronous forward until its step is open here: on stage 0, until the step
+/// accumulated now has room for it ([`sync::admits`]), which assigns the microbatch that
+/// step (`req.step`) and counts its samples as owed; elsewhere, until this replica's
+/// parameters reach the microbatch's step (the compute thread refuses it if the step has
+/// closed by then).
+async fn hold_for_step(
+    shared: &Arc<Shared>,
+    req: &mut Request,
+    frames: &[Vec<u8>],
+) -> Result<(), Reply> {
+    let samples = frames
+        .first()
+        .and_then(|f| crate::wire::parse_header(f, &shared.cfg.limits).ok())
+        .and_then(|(h, _)| h.shape.first().copied())
+        .unwrap_or(1) as u64;
+    let started = Instant::now();
+    loop {
+        let wake = shared.sync_changed.notified();
+        {
+            let now = Instant::now();
+            let mut acc = lock(&shared.accum);
+            let s = acc.params_step;
+            if shared.stage != 0 {
+                if s >= req.step {
+                    return Ok(());
+                }
+            } else if acc.accum_step() == s {
+                let others = *lock(&shared.others);
+                let room = sync::Room {
+                    target: shared.target,
+                    own: acc.count + acc.owed.at(s, now),
+                    others: if others.step == s {
+                        others
+                    } else {
+                        sync::Others::default()
+                    },
+                    samples,
+                    waited: started.elapsed(),
+                };
+                if sync::admits(&room) {
+                    acc.owed.prune(s, now);
+                    acc.owed.add(req.mb, s, samples, now);
+                    req.step = s;
+                    drop(acc);
+                    // The others hear of the room taken with the next progress.
+                    shared.progress.notify_one();
+                    return Ok(());
+                }
+            }
+        }
+        if started.elapsed() >= HOLD_LIMIT {
+            return Err(refusal(
+                shared,
+                ErrorKind::Overloaded,
+                format!(
+                    "no step had room for this microbatch within {} s",
+                    HOLD_LIMIT.as_secs()
+                ),
+            ));
+        }
+        tokio::select! {
+            _ = wake => {}
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    }
 }
 
 /// Hands a call to the registered extension (the averaging layer).

@@ -137,6 +137,9 @@ pub struct ReplicaStatus {
     pub accum_count: u64,
     /// Samples frozen for a round in progress.
     pub frozen_count: u64,
+    /// Samples of synchronous microbatches owed toward `accum_step` (forward run, backward
+    /// not yet come).
+    pub owed_count: u64,
     /// Samples in every applied step.
     pub samples_applied: u64,
     /// Samples lost with dead replicas.
@@ -159,6 +162,7 @@ impl ReplicaStatus {
             accum_step: r.accum_step(),
             accum_count: r.accum_count(),
             frozen_count: r.frozen_count(),
+            owed_count: r.owed_count(),
             samples_applied: r.samples_applied(),
             samples_lost: r.samples_lost(),
             samples_dropped: r.samples_dropped(),

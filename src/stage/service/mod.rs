@@ -172,6 +172,13 @@ struct Shared {
     inbox: push::Inbox,
     /// Sends this replica's forward outputs on to the next stage when asked to.
     pusher: super::client::StageClient,
+    /// The run's target batch (synchronous admission at stage 0).
+    target: u64,
+    /// What the stage's other replicas hold toward this one's step, from the averager.
+    others: Mutex<super::sync::Others>,
+    /// Woken when the step, the accumulator or `others` change: synchronous calls held for
+    /// a step look again.
+    sync_changed: Notify,
 }
 
 impl Shared {
@@ -274,6 +281,9 @@ impl StageService {
                 manifest.config.codecs.activations,
             )
             .with_timeout(push::SEND_TIMEOUT),
+            target: manifest.config.target_batch_size() as u64,
+            others: Mutex::new(super::sync::Others::default()),
+            sync_changed: Notify::new(),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
@@ -354,9 +364,26 @@ impl StageService {
         self.shared.step()
     }
 
-    /// The cached training status.
+    /// The cached training status (what is owed toward the step read afresh: owed
+    /// samples time out without an event).
     pub fn status(&self) -> ReplicaStatus {
-        lock(&self.shared.status).clone()
+        let mut st = lock(&self.shared.status).clone();
+        st.owed_count = lock(&self.shared.accum).owed_now();
+        st
+    }
+
+    /// What the stage's other replicas hold toward this one's step, as the averager heard
+    /// (stage 0's admission of synchronous microbatches reads it).
+    pub fn set_others(&self, others: super::sync::Others) {
+        let changed = {
+            let mut o = lock(&self.shared.others);
+            let changed = *o != others;
+            *o = others;
+            changed
+        };
+        if changed {
+            self.shared.sync_changed.notify_waiters();
+        }
     }
 
     /// Freezes step `step`'s gradients (all accumulated so far), encoded in chunks of
@@ -364,10 +391,13 @@ impl StageService {
     pub fn freeze(&self, step: u64, chunk: usize, codec: &CodecSpec) -> Result<Frozen, ModelError> {
         let f = lock(&self.shared.accum).freeze(step, self.shared.numel, chunk, codec)?;
         let (accum_step, count, frozen) = lock(&self.shared.accum).counts();
-        let mut st = lock(&self.shared.status);
-        st.accum_step = accum_step;
-        st.accum_count = count;
-        st.frozen_count = frozen;
+        {
+            let mut st = lock(&self.shared.status);
+            st.accum_step = accum_step;
+            st.accum_count = count;
+            st.frozen_count = frozen;
+        }
+        self.shared.sync_changed.notify_waiters();
         Ok(f)
     }
 
@@ -381,6 +411,7 @@ impl StageService {
         let st = ReplicaStatus::of(&*self.shared.replica.lock().await);
         *lock(&self.shared.status) = st.clone();
         self.shared.progress.notify_one();
+        self.shared.sync_changed.notify_waiters();
         st
     }
 

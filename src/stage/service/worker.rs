@@ -65,6 +65,15 @@ impl From<ModelError> for Fail {
     }
 }
 
+impl From<crate::stage::replica::SyncError> for Fail {
+    fn from(e: crate::stage::replica::SyncError) -> Self {
+        match e {
+            crate::stage::replica::SyncError::Closed(m) => Fail::Refuse(ErrorKind::StepClosed, m),
+            crate::stage::replica::SyncError::Model(m) => m.into(),
+        }
+    }
+}
+
 impl From<candle_core::Error> for Fail {
     fn from(e: candle_core::Error) -> Self {
         Fail::Refuse(ErrorKind::Internal, e.to_string())
@@ -141,11 +150,21 @@ impl Worker {
         match req.op {
             Op::Forward => {
                 // A probe's forward keeps nothing (microbatch 0 is never kept).
-                let out = r.forward(&input, if req.dry { 0 } else { req.mb })?;
+                let sync = req.sync && !req.dry;
+                let out = if sync {
+                    r.forward_sync(&input, req.mb, req.step)?
+                } else {
+                    r.forward(&input, if req.dry { 0 } else { req.mb })?
+                };
                 drop(r);
                 let frame = self.encode(&out)?;
+                let mut header = ok(&self.shared, 1);
+                if sync {
+                    // The step the microbatch belongs to (assigned here on stage 0).
+                    header.step = req.step;
+                }
                 Ok(Reply {
-                    header: ok(&self.shared, 1),
+                    header,
                     frames: vec![frame],
                 })
             }
@@ -156,8 +175,17 @@ impl Worker {
                 } else {
                     Upstream::Grad(&up)
                 };
+                let sync = req.sync && !req.dry;
                 let (g, fresh) = if req.dry {
                     (r.probe_backward(&input, upstream)?, false)
+                } else if sync {
+                    match r.backward_sync(&input, upstream, req.mb, req.step) {
+                        Ok(v) => v,
+                        Err(e) => {
+                            *lock(&self.shared.status) = ReplicaStatus::of(&r);
+                            return Err(e.into());
+                        }
+                    }
                 } else {
                     r.backward(&input, upstream, req.mb)?
                 };
@@ -174,12 +202,16 @@ impl Worker {
                         .fetch_add(samples, Ordering::Relaxed);
                 }
                 self.shared.progress.notify_one();
+                self.shared.sync_changed.notify_waiters();
                 let frames = match &g.grad_input {
                     Some(t) => vec![self.encode(t)?],
                     None => Vec::new(),
                 };
                 let mut header = ok(&self.shared, frames.len() as u8);
                 header.loss = g.loss;
+                if sync {
+                    header.step = req.step;
+                }
                 Ok(Reply { header, frames })
             }
             _ => Err(Fail::Refuse(
