@@ -9,7 +9,8 @@
 # 3. where python3 has torch: shoal against PyTorch on the GPU (scripts/parity.sh at a GPU
 #    shape: d768, 12 layers, seq 1024, batch 8, byte tokens; STEPS, default 40);
 # 4. unless NO_BIG is set: one stage of configs/llama-1b.toml (264M parameters), f32 and bf16.
-# 5. unless NO_BIG is set: GPT-2 small in 4 stages (one a pair of replicas), 10 steps.
+# 5. unless NO_BIG is set: GPT-2 small in 4 stages (one a pair of replicas), 10 synchronous
+#    steps of 4 microbatches (target 32, microbatch 8), samples/s against the stages' own.
 # ONLY="stages swarm versus-torch big-stage big-swarm" (any of them) runs those alone.
 # Prints the figures; exits non-zero when a check fails.
 set -euo pipefail
@@ -101,6 +102,18 @@ for i, st in enumerate(stages):
     c = [json.loads(l) for l in open(f"{w}/p{i}.events") if '"checkpointed"' in l]
     by_stage.setdefault(st, []).append((c[-1]["step"], c[-1]["params_hash"]) if c else None)
 print(f"replicas at exit (step, parameter hash) by stage: {by_stage}")
+# Each stage's own throughput (what its replicas measured and announced, summed over them):
+# the swarm against its slowest stage.
+tp = {}
+for i, st in enumerate(stages):
+    s = [json.loads(l) for l in open(f"{w}/p{i}.events") if '"serving"' in l]
+    if s:
+        tp[st] = tp.get(st, 0.0) + s[-1]["samples_per_s"]
+if tp:
+    slowest = min(tp.values())
+    rate = p["completed"] / max(float(took), 1e-9)
+    print(f"stages' own throughput (samples/s): {dict(sorted(tp.items()))}; the swarm at "
+          f"{rate / slowest:.2f} of the slowest stage (goal >= 0.6; startup included)")
 if not last < first:
     sys.exit("the swarm's loss did not fall")
 for st, ck in by_stage.items():
@@ -116,7 +129,7 @@ swarm() {
 }
 
 big_swarm() {
-  echo "== GPT-2 small in 4 stages on $DEV (5 peers: stage 3 twice), 10 steps of 32 sequences"
+  echo "== GPT-2 small in 4 stages on $DEV (5 peers: stage 3 twice), 10 synchronous steps of 32 sequences (4 x microbatch 8)"
   sed -e 's/^steps = .*/steps = 10/' -e 's/^target_batch_size = .*/target_batch_size = 32/' \
     -e 's/^warmup_steps = .*/warmup_steps = 0/' configs/gpt2-124m.toml >"$W/big.toml"
   swarm_of "$W/big.toml" 0 1 2 3 3

@@ -83,6 +83,7 @@ fn avg_msgs() -> Vec<AvgMsg> {
             frozen: 0,
             hash: "00ff".into(),
             uplink: 1000,
+            owed: 0,
         },
         AvgMsg::Members {
             step: 4,

@@ -11,7 +11,8 @@ use shoal::trainer::report::Progress;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// Arguments of trainer `idx` of `setup`: never waits for a step, reports every 250 ms.
+/// Arguments of trainer `idx` of `setup`: synchronous steps or never waiting for one, as the
+/// setup says; reports every 250 ms.
 pub(super) fn bench_trainer_args(
     setup: &Setup,
     id: &str,
@@ -26,7 +27,6 @@ pub(super) fn bench_trainer_args(
             &setup.concurrency.to_string(),
             "--report-ms",
             "250",
-            "--no-sync-steps",
             "--routing",
             setup.routing,
             "--emulate-link",
@@ -34,6 +34,9 @@ pub(super) fn bench_trainer_args(
         ]
         .map(String::from),
     );
+    if !setup.sync {
+        a.push("--no-sync-steps".into());
+    }
     if let Some(t) = setup.call_timeout {
         a.extend(["--call-timeout".to_string(), t.to_string()]);
     }
@@ -258,21 +261,27 @@ fn run_in(
         }
         None => opts.seconds,
     };
-    let end = warm_end + Duration::from_secs_f64(seconds);
+    let mut end = warm_end + Duration::from_secs_f64(seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
+    // The window opens after the warm-up and once the trainers have completed samples (a
+    // trainer of a large vocabulary spends its first seconds building the corpus), at most
+    // a minute late.
+    let latest_open = warm_end + Duration::from_secs(60);
     let (mut latest, mut first) = (Readings::new(), Readings::new());
     let mut seen = Seen::default();
     let mut warm_readings = Readings::new();
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
     let bar = crate::progress::Bar::new((opts.warmup + seconds).ceil() as u64, "seconds");
-    while Instant::now() < end {
+    while Instant::now() < end || at_warm.is_none() {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
         read_counters(&mut peers, &mut latest, &mut first, &mut seen);
         let now = Instant::now();
-        if at_warm.is_none() && now >= warm_end {
+        let started_work = Progress::sum(&last).completed > 0;
+        if at_warm.is_none() && now >= warm_end && (started_work || now >= latest_open) {
             at_warm = Some((now, Progress::sum(&last)));
+            end = now + Duration::from_secs_f64(seconds);
             warm_readings = latest.clone();
         }
         if let (Some(n), Some((_, p0))) = (opts.samples, &at_warm) {
@@ -395,5 +404,10 @@ fn run_in(
         focus,
         peak_rss_mib: seen.peak_rss as f64 / (1 << 20) as f64,
         large: None,
+        stage_count: setup.run.stages.count,
+        mode: setup.mode().into(),
+        microbatch: setup.run.training.batch_size,
+        target_batch: setup.run.target_batch_size(),
+        restarts: end_p.restarts,
     })
 }

@@ -27,6 +27,7 @@ pub const SCENARIOS: &[&str] = &[
     "compression",
     "churn",
     "real",
+    "pipeline",
     "large",
 ];
 
@@ -63,6 +64,21 @@ pub struct Setup {
     /// Measured as the `large` scenario ([`super::bench_large`]): averaging rounds and a
     /// joiner's state download instead of throughput.
     pub large: bool,
+    /// The trainers keep synchronous steps (every gradient of step s computed at
+    /// parameters s); otherwise they never wait and replicas bound staleness at one step
+    /// (delayed updates).
+    pub sync: bool,
+}
+
+impl Setup {
+    /// How its steps go: `synchronous` or `delayed`.
+    pub fn mode(&self) -> &'static str {
+        if self.sync {
+            "synchronous"
+        } else {
+            "delayed"
+        }
+    }
 }
 
 /// What one setup measured.
@@ -102,6 +118,16 @@ pub struct Row {
     pub peak_rss_mib: f64,
     /// The `large` scenario's figures.
     pub large: Option<super::bench_large::LargeFigures>,
+    /// Pipeline stages of the run.
+    pub stage_count: usize,
+    /// `synchronous` or `delayed`.
+    pub mode: String,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Samples per optimizer step.
+    pub target_batch: usize,
+    /// Synchronous microbatches started again because their step closed on the way.
+    pub restarts: u64,
 }
 
 /// Where a stage's replicas spent their time, summed over replicas.
@@ -241,7 +267,12 @@ impl Row {
             "swaps": self.swaps,
             "focus_stage": self.focus,
             "peak_rss_mib": self.peak_rss_mib,
-            "stages": self.stages.iter().map(|t| t.to_json()).collect::<Vec<_>>(),
+            "stages": self.stage_count,
+            "mode": self.mode,
+            "microbatch": self.microbatch,
+            "target_batch": self.target_batch,
+            "restarts": self.restarts,
+            "stage_times": self.stages.iter().map(|t| t.to_json()).collect::<Vec<_>>(),
         })
     }
 }
@@ -333,6 +364,7 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
         routing: "wiring",
         call_timeout: None,
         large: false,
+        sync: false,
     };
     Some(match name {
         "homogeneous" => vec![homogeneous("homogeneous", int8z)],
@@ -393,10 +425,53 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
             s.run = run;
             vec![s]
         }
+        "pipeline" => vec![pipeline(home)],
         "large" => vec![large(home)],
         _ => return None,
     })
 }
+
+/// The `pipeline` scenario: real candle stages of a small Llama (d256, 16 blocks, 4 per
+/// stage, seq 128, vocabulary 512) in 4 stages x 2 replicas, 2 trainers, every process on `home` links,
+/// synchronous steps of 4 microbatches of 8. Each stage's forward and backward of a
+/// microbatch costs a few hundred milliseconds of one core, so the cores, not the 50 ms
+/// links, should bind: the question is whether synchronous steps keep them busy.
+fn pipeline(home: LinkSpec) -> Setup {
+    let mut run = RunConfig::tiny();
+    run.model.family = shoal::config::Family::Llama;
+    run.model.vocab = 512;
+    run.model.d_model = 256;
+    run.model.n_heads = 8;
+    run.model.n_kv_heads = Some(4);
+    run.model.n_layers = 16;
+    run.model.seq_len = 128;
+    run.stages.count = 4;
+    run.stages.cuts.clear();
+    run.training.batch_size = PIPELINE_MICROBATCH;
+    run.training.target_batch_size = Some(4 * PIPELINE_MICROBATCH);
+    run.training.steps = 1_000_000;
+    Setup {
+        label: "pipeline".into(),
+        run,
+        replicas: (0..8)
+            .map(|i| ReplicaSpec {
+                stage: i % 4,
+                link: home,
+                slowdown: 1.0,
+            })
+            .collect(),
+        trainers: vec![home; 2],
+        concurrency: 4,
+        churn: None,
+        routing: "wiring",
+        call_timeout: None,
+        large: false,
+        sync: true,
+    }
+}
+
+/// Samples per microbatch of the `pipeline` scenario.
+pub const PIPELINE_MICROBATCH: usize = 8;
 
 /// The `large` scenario: a `sim` run of two stages of over 100M parameters each (d_model
 /// 1024, 8 blocks per stage), 2 replicas per stage and a trainer, all on `home` links.
@@ -434,6 +509,7 @@ fn large(home: LinkSpec) -> Setup {
         routing: "wiring",
         call_timeout: None,
         large: true,
+        sync: false,
     }
 }
 

@@ -248,18 +248,24 @@ impl State {
     }
 
     /// Tells the service what the other live replicas at this one's step hold or owe
-    /// toward it (stage 0 admits synchronous microbatches by it).
+    /// toward it (stage 0 admits synchronous microbatches by it). A replica still applying
+    /// the step before counts as one that will share this step: right after a step, each
+    /// replica would otherwise take the whole batch before hearing of the others.
     fn tell_service_others(&self, st: &ReplicaStatus, now: Instant) {
         let s = st.params_step;
         let mut others = crate::stage::sync::Others {
             step: s,
             used: 0,
             replicas: 0,
+            behind: 0,
         };
         for v in self.views.values() {
-            if v.is_live(now, self.cfg.live_timeout) && v.params_step == s {
+            if v.is_live(now, self.cfg.live_timeout)
+                && (v.params_step == s || v.params_step + 1 == s)
+            {
                 others.replicas += 1;
                 others.used += v.used_at(s);
+                others.behind += u64::from(v.params_step + 1 == s);
             }
         }
         self.service.set_others(others);

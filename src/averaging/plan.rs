@@ -56,7 +56,12 @@ impl View {
 
     /// Samples it holds or owes toward `step` (what stage 0's admission counts as taken).
     pub fn used_at(&self, step: u64) -> u64 {
-        self.pending_at(step) + if self.accum_step == step { self.owed } else { 0 }
+        self.pending_at(step)
+            + if self.accum_step == step {
+                self.owed
+            } else {
+                0
+            }
     }
 
     /// Whether it was heard within `timeout` of `now`.

@@ -25,6 +25,9 @@ pub struct Accum {
     seen_order: VecDeque<u64>,
     /// Synchronous microbatches whose forward ran here and whose backward has not come.
     pub(super) owed: super::sync::Owed,
+    /// The step's update is being applied (its frozen sum already freed): the step stays
+    /// closed meanwhile, so nothing is admitted into it.
+    pub(super) applying: bool,
 }
 
 impl Accum {
@@ -76,6 +79,7 @@ impl Accum {
 
     pub(super) fn accum_step(&self) -> u64 {
         match &self.frozen {
+            _ if self.applying => self.params_step + 1,
             Some(f) if f.step == self.params_step => self.params_step + 1,
             _ => self.params_step,
         }

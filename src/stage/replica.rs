@@ -421,17 +421,30 @@ impl Replica {
                 self.numel
             )));
         }
-        // The frozen sum is no longer needed: free it before the update's temporaries.
-        self.acc().frozen = None;
-        let before = self.predict.before_update(self.stage.params())?;
-        self.opt.step_flat(self.stage.params(), avg)?;
-        self.predict.after_update(self.stage.params(), before)?;
+        // The frozen sum is no longer needed: free it before the update's temporaries (the
+        // step stays closed while the update is applied).
+        {
+            let mut a = self.acc();
+            a.frozen = None;
+            a.applying = true;
+        }
+        let updated = (|| -> Result<(), ModelError> {
+            let before = self.predict.before_update(self.stage.params())?;
+            self.opt.step_flat(self.stage.params(), avg)?;
+            self.predict.after_update(self.stage.params(), before)?;
+            Ok(())
+        })();
+        if let Err(e) = updated {
+            self.acc().applying = false;
+            return Err(e);
+        }
         self.params_step += 1;
         self.samples_applied += samples;
         self.samples_lost += lost;
         {
             let mut a = self.acc();
             a.frozen = None;
+            a.applying = false;
             a.params_step = self.params_step;
         }
         self.params_hash = hash_of(&self.stage)?;

@@ -32,10 +32,18 @@ impl Replica {
         Ok(())
     }
 
-    /// The forward of synchronous microbatch `mb` of step `step`, at this step's parameters
-    /// exactly (no prediction); its graph is kept for the backward and its samples are owed
-    /// to the step until the backward comes.
-    pub fn forward_sync(&mut self, input: &Tensor, mb: u64, step: u64) -> Result<Tensor, SyncError> {
+    /// The forward of synchronous microbatch `mb` of step `step` (or of the step this
+    /// replica is at, when it is past `step`: a later stage that moved on computes it in
+    /// its own step), at that step's parameters exactly (no prediction); its graph is kept
+    /// for the backward and its samples are owed to the step until the backward comes.
+    /// Returns the output and the step it was computed at.
+    pub fn forward_sync(
+        &mut self,
+        input: &Tensor,
+        mb: u64,
+        step: u64,
+    ) -> Result<(Tensor, u64), SyncError> {
+        let step = step.max(self.params_step);
         if let Err(e) = self.open_at(step) {
             self.acc().owed.settle(mb);
             return Err(e);
@@ -60,24 +68,32 @@ impl Replica {
             }
         };
         self.acc().owed.add(mb, step, n, Instant::now());
-        Ok(out)
+        Ok((out, step))
     }
 
     /// The backward of synchronous microbatch `mb` of step `step`: through its kept forward
     /// when it ran here at that step, else recomputed at the current parameters (which are
-    /// step `step`'s, or it is refused). The gradient joins step `step` or nothing: when the
-    /// averager froze the step meanwhile, the call is refused and nothing accumulated.
+    /// step `step`'s, or it is refused; the last stage, whose backward runs the forward too
+    /// and sends no activations on, computes it in its own step when it moved past
+    /// `step`). The gradient joins that step or nothing: when the averager froze the step
+    /// meanwhile, the call is refused and nothing accumulated. Returns the gradients,
+    /// whether they were accumulated, and the step they joined.
     pub fn backward_sync(
         &mut self,
         input: &Tensor,
         upstream: Upstream<'_>,
         mb: u64,
         step: u64,
-    ) -> Result<(StageGrads, bool), SyncError> {
+    ) -> Result<(StageGrads, bool, u64), SyncError> {
         let kept = self
             .kept
             .remove(&mb)
             .filter(|(k, at)| k.input_dims() == input.dims() && *at == step);
+        let step = if kept.is_none() && self.stage.is_last() {
+            step.max(self.params_step)
+        } else {
+            step
+        };
         if let Err(e) = self.open_at(step) {
             self.acc().owed.settle(mb);
             return Err(e);
@@ -104,10 +120,10 @@ impl Replica {
             )));
         }
         if !acc.admit(mb) {
-            return Ok((g, false));
+            return Ok((g, false, step));
         }
         acc.add(n, &grads, numel)?;
         drop(acc);
-        Ok((g, true))
+        Ok((g, true, step))
     }
 }

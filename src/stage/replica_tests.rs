@@ -241,3 +241,36 @@ fn a_gradient_that_joins_the_next_step_is_computed_at_the_predicted_parameters()
     assert!(dist(&got, &plain) > 1e-4, "the prediction changed nothing");
     Ok(())
 }
+
+#[test]
+fn a_synchronous_microbatch_joins_its_own_step_or_is_refused() -> TestResult {
+    let (cfg, mut r) = one_stage()?;
+    let (x, y) = batch(&cfg, 4, 3)?;
+    // A forward of step 0 runs at step 0's parameters and owes its samples to step 0.
+    r.forward_sync(&x, 7, 0)?;
+    assert_eq!(r.owed_count(), 4);
+    // A step not reached yet is refused, and so forgets what it was owed there.
+    assert!(matches!(
+        r.forward_sync(&x, 8, 1),
+        Err(SyncError::Closed(_))
+    ));
+    let (_, fresh, joined) = r.backward_sync(&x, Upstream::Targets(&y), 7, 0)?;
+    assert!(fresh && joined == 0);
+    assert_eq!((r.accum_count(), r.owed_count()), (4, 0));
+    // The step froze: a late backward of it is refused and accumulates nothing, even
+    // though its forward ran at step 0.
+    r.forward_sync(&x, 9, 0)?;
+    r.freeze(0, 1000, &CodecSpec::F32)?;
+    let late = r.backward_sync(&x, Upstream::Targets(&y), 9, 0);
+    assert!(matches!(late, Err(SyncError::Closed(_))), "{late:?}");
+    assert_eq!(
+        (r.accum_count(), r.frozen_count(), r.owed_count()),
+        (0, 4, 0)
+    );
+    // Nor does a microbatch of step 1 get computed before step 0 is applied.
+    assert!(matches!(
+        r.backward_sync(&x, Upstream::Targets(&y), 10, 1),
+        Err(SyncError::Closed(_))
+    ));
+    Ok(())
+}

@@ -31,7 +31,8 @@ use std::time::{Duration, Instant};
 pub const OWED_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a forward held at stage 0 waits before it may take more than this replica's
-/// share of a step that still has room (the other replicas' progress has arrived by then).
+/// share of a step that still has room (the other replicas' progress has arrived by then),
+/// when no other replica is still applying the step before.
 pub const OVER_SHARE_AFTER: Duration = Duration::from_millis(250);
 
 /// What the other replicas of the stage at this replica's step hold toward it, as the
@@ -42,8 +43,24 @@ pub struct Others {
     pub step: u64,
     /// Samples they hold toward it: accumulated, frozen or owed.
     pub used: u64,
-    /// Live replicas at that step besides this one.
+    /// Live replicas at that step or the one before besides this one.
     pub replicas: u64,
+    /// Of those, the replicas still at the step before (about to take their share).
+    pub behind: u64,
+}
+
+/// Bits of a microbatch id a trainer keeps when it starts the microbatch again under a new
+/// id ([`restarted_id`]): a replica settles what the earlier attempt still held.
+const ATTEMPT_SHIFT: u32 = 56;
+
+/// The id of attempt `attempt` (1, 2, …) of microbatch `mb`: its low 56 bits are `mb`'s.
+pub fn restarted_id(mb: u64, attempt: u64) -> u64 {
+    mb ^ (attempt << ATTEMPT_SHIFT)
+}
+
+/// Whether two ids are attempts of one microbatch.
+pub fn same_microbatch(a: u64, b: u64) -> bool {
+    (a ^ b) >> ATTEMPT_SHIFT != 0 && ((a ^ b) << (64 - ATTEMPT_SHIFT)) == 0
 }
 
 /// What an admission decision reads.
@@ -57,7 +74,7 @@ pub struct Room {
     pub others: Others,
     /// Samples of the microbatch asking.
     pub samples: u64,
-    /// How long it has waited.
+    /// How long it has waited since the step opened.
     pub waited: Duration,
 }
 
@@ -69,7 +86,11 @@ pub fn admits(r: &Room) -> bool {
     }
     let share = target.div_ceil(r.others.replicas + 1);
     // A microbatch larger than the share still gets in when this replica holds nothing.
-    r.own == 0 || r.own + r.samples <= share || r.waited >= OVER_SHARE_AFTER
+    // More than the share only once the others had time to say what they took, and none
+    // of them is still applying the step before (it would take its share after).
+    r.own == 0
+        || r.own + r.samples <= share
+        || (r.waited >= OVER_SHARE_AFTER && r.others.behind == 0)
 }
 
 /// Synchronous microbatches whose forward ran on this replica and whose backward has not
@@ -80,8 +101,12 @@ pub struct Owed {
 }
 
 impl Owed {
-    /// Microbatch `mb` of `samples` samples ran its forward at `step`, at `now`.
+    /// Microbatch `mb` of `samples` samples ran its forward at `step`, at `now`. What an
+    /// earlier attempt of the same microbatch ([`same_microbatch`]) was owed is settled: it
+    /// was started again.
     pub fn add(&mut self, mb: u64, step: u64, samples: u64, now: Instant) {
+        self.by_mb
+            .retain(|&m, _| m == mb || !same_microbatch(m, mb));
         self.by_mb.insert(mb, (step, samples, now));
     }
 
@@ -94,6 +119,18 @@ impl Owed {
     pub fn at(&self, step: u64, now: Instant) -> u64 {
         self.by_mb
             .values()
+            .filter(|(s, _, t)| *s == step && now.saturating_duration_since(*t) < OWED_TIMEOUT)
+            .map(|(_, n, _)| n)
+            .sum()
+    }
+
+    /// [`Owed::at`] without what microbatch `mb` (any attempt of it) holds: a microbatch
+    /// whose forward runs again does not wait for room it holds itself.
+    pub fn at_except(&self, step: u64, now: Instant, mb: u64) -> u64 {
+        self.by_mb
+            .iter()
+            .filter(|(&m, _)| m != mb && !same_microbatch(m, mb))
+            .map(|(_, v)| v)
             .filter(|(s, _, t)| *s == step && now.saturating_duration_since(*t) < OWED_TIMEOUT)
             .map(|(_, n, _)| n)
             .sum()
@@ -123,6 +160,7 @@ mod tests {
                 step: 3,
                 used,
                 replicas,
+                behind: 0,
             },
             samples: 16,
             waited: Duration::from_millis(waited_ms),
@@ -147,6 +185,11 @@ mod tests {
         // The other has not used its share, as far as this one heard after waiting.
         assert!(admits(&room(32, 16, 1, 300)));
         assert!(!admits(&room(32, 16, 1, 100)));
+        // Never while the other is still applying the step before: it takes its share
+        // once it has.
+        let mut r = room(32, 0, 1, 1000);
+        r.others.behind = 1;
+        assert!(!admits(&r));
     }
 
     #[test]
@@ -162,5 +205,11 @@ mod tests {
         assert_eq!(o.at(5, t0 + OWED_TIMEOUT), 0);
         o.prune(6, t0);
         assert_eq!((o.at(5, t0), o.at(6, t0)), (0, 16));
+        // A microbatch started again releases what its earlier attempt held.
+        o.add(restarted_id(3, 1), 6, 16, t0);
+        assert_eq!(o.at(6, t0), 16);
+        assert!(same_microbatch(3, restarted_id(3, 2)));
+        assert!(!same_microbatch(3, 3) && !same_microbatch(3, 4));
+        assert_eq!((o.at_except(6, t0, 3), o.at_except(6, t0, 4)), (0, 16));
     }
 }

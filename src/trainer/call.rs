@@ -173,6 +173,7 @@ where
                 }
                 Err(e) => {
                     if e.kind() == Some(ErrorKind::StepClosed) {
+                        tracing::debug!(target: "shoal::trainer", stage = s, "{e}");
                         if let Some((_, st)) = entry {
                             st.in_flight = st.in_flight.saturating_sub(1);
                         }

@@ -257,7 +257,9 @@ async fn run(
         }))
     };
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
-    let sem = Arc::new(Semaphore::new(in_flight(&ctx.cfg, ctx.stages, batch, ctx.target)));
+    let sem = Arc::new(Semaphore::new(in_flight(
+        &ctx.cfg, ctx.stages, batch, ctx.target,
+    )));
     let mut tasks = tokio::task::JoinSet::new();
     let mut counter: u64 = 0;
     let tag = derive_seed(ctx.cfg.index, &ctx.client.local_peer_id().to_string()) << 24;
@@ -402,11 +404,12 @@ async fn microbatch(
                 return;
             }
             // Its step filled meanwhile: again, under a new id (a replica may have
-            // accumulated the old one into the closed step), into the step open now.
+            // accumulated the old one into the closed step) that stage 0 knows for the same
+            // microbatch (what the old one held there is released), into the step open now.
             Err(Failure::Closed) if restarts < MAX_RESTARTS => {
                 restarts += 1;
                 ctx.stats.restarts.fetch_add(1, Ordering::Relaxed);
-                id = crate::rng::mix64(mb ^ restarts.rotate_left(40)) | 1;
+                id = crate::stage::sync::restarted_id(mb, restarts);
             }
             Err(Failure::Closed) => {
                 return fail(
@@ -457,14 +460,27 @@ async fn pass(
     let mut owed = Owed::new(ctx);
     // The last stage's answer when its input was pushed there.
     let mut pushed = None;
+    // The step each stage computed the microbatch at (a stage past its step computes it in
+    // its own).
+    let mut tags: Vec<Option<u64>> = vec![None; ctx.stages];
+    let mut note = |s: usize, step: u64, micro: &mut Micro| {
+        if sync {
+            tags[s] = Some(step);
+            micro.tag = Some(step);
+        }
+        ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
+        ctx.stats.step.fetch_max(step, Ordering::Relaxed);
+    };
     for s in 0..last {
         if s + 1 == last && ctx.cfg.push {
             match push::into_last(ctx, s, micro, &inputs[s], y, &mut owed).await? {
-                push::Hop::Done(peer, reply) => {
+                push::Hop::Done(peer, reply, step) => {
+                    note(s, step, &mut micro);
                     pushed = Some((peer, reply));
                     break;
                 }
-                push::Hop::Plain(Some(out)) => {
+                push::Hop::Plain(Some((out, step))) => {
+                    note(s, step, &mut micro);
                     inputs.push(out);
                     continue;
                 }
@@ -483,11 +499,7 @@ async fn pass(
             async move { c.forward_step(peer, s, step, mb, &input).await }
         })
         .await?;
-        if sync && micro.tag.is_none() {
-            micro.tag = Some(step);
-        }
-        ctx.stats.stage_steps[s].fetch_max(step, Ordering::Relaxed);
-        ctx.stats.step.fetch_max(step, Ordering::Relaxed);
+        note(s, step, &mut micro);
         owed.add(s, peer);
         inputs.push(out);
     }
@@ -505,7 +517,7 @@ async fn pass(
             None => {
                 let input = inputs[s].clone();
                 let up = upstream.clone();
-                let tag = micro.tag;
+                let tag = tags[s].or(micro.tag);
                 call_stage(ctx, s, ran_forward, n, |peer, step| {
                     let c = ctx.client.clone();
                     let (input, up) = (input.clone(), up.clone());

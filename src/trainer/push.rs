@@ -18,11 +18,13 @@ use std::time::{Duration, Instant};
 
 /// How the hop into the last stage went.
 pub(super) enum Hop {
-    /// The last stage answered: its replica and its reply.
-    Done(PeerId, BackwardReply),
+    /// The last stage answered: its replica and its reply, and the step the forward before
+    /// it was computed at.
+    Done(PeerId, BackwardReply, u64),
     /// Call the last stage the plain way, with this input (the forward's output, when its
-    /// push failed) or, when `None`, after running the forward again.
-    Plain(Option<Tensor>),
+    /// push failed, and the step it was computed at) or, when `None`, after running the
+    /// forward again.
+    Plain(Option<(Tensor, u64)>),
 }
 
 /// Runs stage `s`'s forward of microbatch `micro` pushing into a replica of
@@ -77,7 +79,7 @@ pub(super) async fn into_last(
         // The push failed: the output came back instead; the call there would only wait.
         (None, Some(_)) => {
             settle(ctx, last, to, n, Err(Duration::from_millis(200)));
-            return Ok(Hop::Plain(out));
+            return Ok(Hop::Plain(out.map(|o| (o, fwd_step))));
         }
         (None, None) => bwd.await,
     };
@@ -86,13 +88,13 @@ pub(super) async fn into_last(
     match answer {
         Ok(reply) => {
             settle(ctx, last, to, n, Ok(secs));
-            Ok(Hop::Done(to, reply))
+            Ok(Hop::Done(to, reply, fwd_step))
         }
         Err(e) => {
             settle(ctx, last, to, n, Err(ban_for(&e, ctx.cfg.ban)));
             ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
             TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
-            Ok(Hop::Plain(out))
+            Ok(Hop::Plain(out.map(|o| (o, fwd_step))))
         }
     }
 }

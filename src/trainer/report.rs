@@ -26,6 +26,9 @@ pub struct Progress {
     pub raw: u64,
     /// Calls repeated on another replica after one failed or refused.
     pub swaps: u64,
+    /// Synchronous microbatches started again because their step closed on the way.
+    #[serde(default)]
+    pub restarts: u64,
 }
 
 impl Progress {
@@ -45,6 +48,7 @@ impl Progress {
             wire: bytes.0,
             raw: bytes.1,
             swaps: stats.iter().map(|s| s.swaps.load(Relaxed)).sum(),
+            restarts: stats.iter().map(|s| s.restarts.load(Relaxed)).sum(),
         }
     }
 
@@ -69,6 +73,7 @@ impl Progress {
             wire: ps.iter().map(|p| p.wire).sum(),
             raw: ps.iter().map(|p| p.raw).sum(),
             swaps: ps.iter().map(|p| p.swaps).sum(),
+            restarts: ps.iter().map(|p| p.restarts).sum(),
         }
     }
 }
@@ -124,6 +129,7 @@ mod tests {
             wire: 1000,
             raw: 4000,
             swaps: 2,
+            restarts: 1,
         };
         let back: Progress = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);

@@ -467,6 +467,7 @@ mod tests {
             dry: false,
             push_to: Some("12D3KooWPeer".into()),
             pushed: true,
+            sync: true,
         };
         let bytes = encode_header(&r);
         let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);

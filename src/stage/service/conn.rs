@@ -4,8 +4,8 @@
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
 use super::{lock, push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
-use crate::stage::sync;
 use crate::net::io::{self as netio, IoError};
+use crate::stage::sync;
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
 use crate::wire::WireError;
 use futures::{AsyncReadExt, AsyncWriteExt};
@@ -439,7 +439,14 @@ async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -
         }
     }
     let mut req = req;
-    if req.sync && !req.dry && req.op == Op::Forward {
+    // A synchronous forward waits for its step; so does a backward past stage 0 (the last
+    // stage's, which runs the forward too, may come before that stage applied the step).
+    let held = match req.op {
+        Op::Forward => true,
+        Op::Backward => shared.stage != 0,
+        _ => false,
+    };
+    if req.sync && !req.dry && held {
         if let Err(r) = hold_for_step(shared, &mut req, &frames).await {
             return r;
         }
@@ -469,7 +476,7 @@ async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -
 /// (below a trainer's default call timeout, so the caller hears why).
 const HOLD_LIMIT: Duration = Duration::from_secs(15);
 
-/// Holds a synchronous forward until its step is open here: on stage 0, until the step
+/// Holds a synchronous call until its step is open here: on stage 0 (a forward), until the step
 /// accumulated now has room for it ([`sync::admits`]), which assigns the microbatch that
 /// step (`req.step`) and counts its samples as owed; elsewhere, until this replica's
 /// parameters reach the microbatch's step (the compute thread refuses it if the step has
@@ -485,6 +492,10 @@ async fn hold_for_step(
         .and_then(|(h, _)| h.shape.first().copied())
         .unwrap_or(1) as u64;
     let started = Instant::now();
+    // Since when the step it may join has been open (a share is waited for from then, not
+    // from the forward's arrival: held across a step, it would take more than its share the
+    // moment the step opens, before the other replicas' progress could say what they took).
+    let mut open_since: Option<(u64, Instant)> = None;
     loop {
         let wake = shared.sync_changed.notified();
         {
@@ -492,21 +503,29 @@ async fn hold_for_step(
             let mut acc = lock(&shared.accum);
             let s = acc.params_step;
             if shared.stage != 0 {
-                if s >= req.step {
+                // Its step (or a later one, which takes it) is open here.
+                if s > req.step || (s == req.step && acc.accum_step() == s) {
                     return Ok(());
                 }
             } else if acc.accum_step() == s {
+                let since = match open_since {
+                    Some((step, t)) if step == s => t,
+                    _ => {
+                        open_since = Some((s, now));
+                        now
+                    }
+                };
                 let others = *lock(&shared.others);
                 let room = sync::Room {
                     target: shared.target,
-                    own: acc.count + acc.owed.at(s, now),
+                    own: acc.count + acc.owed.at_except(s, now, req.mb),
                     others: if others.step == s {
                         others
                     } else {
                         sync::Others::default()
                     },
                     samples,
-                    waited: started.elapsed(),
+                    waited: now.saturating_duration_since(since),
                 };
                 if sync::admits(&room) {
                     acc.owed.prune(s, now);

@@ -151,17 +151,17 @@ impl Worker {
             Op::Forward => {
                 // A probe's forward keeps nothing (microbatch 0 is never kept).
                 let sync = req.sync && !req.dry;
-                let out = if sync {
+                let (out, at) = if sync {
                     r.forward_sync(&input, req.mb, req.step)?
                 } else {
-                    r.forward(&input, if req.dry { 0 } else { req.mb })?
+                    (r.forward(&input, if req.dry { 0 } else { req.mb })?, 0)
                 };
                 drop(r);
                 let frame = self.encode(&out)?;
                 let mut header = ok(&self.shared, 1);
                 if sync {
-                    // The step the microbatch belongs to (assigned here on stage 0).
-                    header.step = req.step;
+                    // The step the microbatch was computed at here (assigned on stage 0).
+                    header.step = at;
                 }
                 Ok(Reply {
                     header,
@@ -176,8 +176,8 @@ impl Worker {
                     Upstream::Grad(&up)
                 };
                 let sync = req.sync && !req.dry;
-                let (g, fresh) = if req.dry {
-                    (r.probe_backward(&input, upstream)?, false)
+                let (g, fresh, at) = if req.dry {
+                    (r.probe_backward(&input, upstream)?, false, 0)
                 } else if sync {
                     match r.backward_sync(&input, upstream, req.mb, req.step) {
                         Ok(v) => v,
@@ -187,7 +187,8 @@ impl Worker {
                         }
                     }
                 } else {
-                    r.backward(&input, upstream, req.mb)?
+                    let (g, fresh) = r.backward(&input, upstream, req.mb)?;
+                    (g, fresh, 0)
                 };
                 // Written while the replica is still locked: a status taken here and
                 // stored after the averager applied a step would put the step back.
@@ -210,7 +211,7 @@ impl Worker {
                 let mut header = ok(&self.shared, frames.len() as u8);
                 header.loss = g.loss;
                 if sync {
-                    header.step = req.step;
+                    header.step = at;
                 }
                 Ok(Reply { header, frames })
             }
