@@ -258,14 +258,16 @@ impl State {
             used: 0,
             replicas: 0,
             behind: 0,
+            rank: 0,
         };
-        for v in self.views.values() {
+        for (p, v) in &self.views {
             if v.is_live(now, self.cfg.live_timeout)
                 && (v.params_step == s || v.params_step + 1 == s)
             {
                 others.replicas += 1;
                 others.used += v.used_at(s);
                 others.behind += u64::from(v.params_step + 1 == s);
+                others.rank += u64::from(*p < self.me);
             }
         }
         self.service.set_others(others);

@@ -73,9 +73,7 @@ impl Replica {
 
     /// The backward of synchronous microbatch `mb` of step `step`: through its kept forward
     /// when it ran here at that step, else recomputed at the current parameters (which are
-    /// step `step`'s, or it is refused; the last stage, whose backward runs the forward too
-    /// and sends no activations on, computes it in its own step when it moved past
-    /// `step`). The gradient joins that step or nothing: when the averager froze the step
+    /// step `step`'s, or it is refused). The gradient joins that step or nothing: when the averager froze the step
     /// meanwhile, the call is refused and nothing accumulated. Returns the gradients,
     /// whether they were accumulated, and the step they joined.
     pub fn backward_sync(
@@ -89,11 +87,7 @@ impl Replica {
             .kept
             .remove(&mb)
             .filter(|(k, at)| k.input_dims() == input.dims() && *at == step);
-        let step = if kept.is_none() && self.stage.is_last() {
-            step.max(self.params_step)
-        } else {
-            step
-        };
+
         if let Err(e) = self.open_at(step) {
             self.acc().owed.settle(mb);
             return Err(e);

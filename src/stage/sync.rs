@@ -47,6 +47,9 @@ pub struct Others {
     pub replicas: u64,
     /// Of those, the replicas still at the step before (about to take their share).
     pub behind: u64,
+    /// This replica's place among them all (itself included), ordered by peer id: the
+    /// step's microbatch slots go round the replicas in this order.
+    pub rank: u64,
 }
 
 /// Bits of a microbatch id a trainer keeps when it starts the microbatch again under a new
@@ -79,17 +82,20 @@ pub struct Room {
 }
 
 /// Whether the microbatch joins the open step now.
+///
+/// The step's batch is cut into slots of the asking microbatch's size, dealt round the
+/// stage's replicas by rank: this replica's share is its slots. More than the share only
+/// once the others had time to say what they took, and none of them is still applying the
+/// step before (it would take its share after).
 pub fn admits(r: &Room) -> bool {
     let target = r.target.max(1);
     if r.own + r.others.used >= target {
         return false;
     }
-    let share = target.div_ceil(r.others.replicas + 1);
-    // A microbatch larger than the share still gets in when this replica holds nothing.
-    // More than the share only once the others had time to say what they took, and none
-    // of them is still applying the step before (it would take its share after).
-    r.own == 0
-        || r.own + r.samples <= share
+    let n = r.others.replicas + 1;
+    let slots = target.div_ceil(r.samples.max(1));
+    let mine = slots.saturating_sub(r.others.rank).div_ceil(n);
+    r.own + r.samples <= mine * r.samples.max(1)
         || (r.waited >= OVER_SHARE_AFTER && r.others.behind == 0)
 }
 
@@ -161,6 +167,7 @@ mod tests {
                 used,
                 replicas,
                 behind: 0,
+                rank: 0,
             },
             samples: 16,
             waited: Duration::from_millis(waited_ms),
@@ -190,6 +197,28 @@ mod tests {
         let mut r = room(32, 0, 1, 1000);
         r.others.behind = 1;
         assert!(!admits(&r));
+    }
+
+    #[test]
+    fn slots_larger_than_a_share_go_round_the_replicas_by_rank() {
+        // Four replicas, a batch of 64 in microbatches of 16: one slot each.
+        for rank in 0..4 {
+            let mut r = room(0, 0, 3, 0);
+            r.others.rank = rank;
+            assert!(admits(&r), "rank {rank}");
+            r.own = 16;
+            assert!(!admits(&r), "rank {rank}");
+        }
+        // A batch of 32: two slots, for ranks 0 and 1; the others wait for them.
+        let mut r = room(0, 0, 3, 0);
+        r.target = 32;
+        r.others.rank = 2;
+        assert!(!admits(&r));
+        r.waited = OVER_SHARE_AFTER;
+        assert!(admits(&r));
+        r.others.rank = 1;
+        r.waited = Duration::ZERO;
+        assert!(admits(&r));
     }
 
     #[test]
