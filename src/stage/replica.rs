@@ -229,13 +229,7 @@ impl Replica {
     /// `mb` 0 (evaluation) keeps nothing.
     pub fn forward(&mut self, input: &Tensor, mb: u64) -> Result<Tensor, ModelError> {
         if let Some(sim) = self.sim {
-            // Remember the forward as a real stage keeps its graph, so that backward
-            // knows whether it would have had to recompute it.
-            if mb != 0 && !self.kept_order.contains(&mb) {
-                self.kept_order.push_back(mb);
-                self.keep_within_cap();
-            }
-            return sim.forward(&self.stage, input);
+            return self.sim_forward(sim, input, mb);
         }
         if mb == 0 {
             return self.stage.forward(input);
@@ -252,6 +246,45 @@ impl Replica {
         }
         self.keep_within_cap();
         Ok(out)
+    }
+
+    /// The `sim` stand-in's forward of `mb`, remembered as a real stage keeps its graph so
+    /// that its backward knows whether it would have had to recompute it (`mb` 0 keeps
+    /// nothing).
+    fn sim_forward(
+        &mut self,
+        sim: SimCompute,
+        input: &Tensor,
+        mb: u64,
+    ) -> Result<Tensor, ModelError> {
+        if mb != 0 && !self.kept_order.contains(&mb) {
+            self.kept_order.push_back(mb);
+            self.keep_within_cap();
+        }
+        sim.forward(&self.stage, input)
+    }
+
+    /// The backward of `mb` through `kept` when there is one, else `recompute`d; a `sim`
+    /// stage times it as a recomputation when it never ran the forward.
+    fn backward_of(
+        &mut self,
+        kept: Option<Kept>,
+        input: &Tensor,
+        upstream: Upstream<'_>,
+        mb: u64,
+        recompute: impl FnOnce(&Self) -> Result<StageGrads, ModelError>,
+    ) -> Result<StageGrads, ModelError> {
+        match (kept, self.sim) {
+            (_, Some(sim)) => {
+                let ran = self.kept_order.iter().position(|&m| m == mb);
+                if let Some(i) = ran {
+                    self.kept_order.remove(i);
+                }
+                sim.backward(&self.stage, input, upstream, ran.is_none())
+            }
+            (Some(k), None) => self.stage.backward_kept(k, upstream),
+            (None, None) => recompute(self),
+        }
     }
 
     /// Drops the oldest kept forwards beyond the cap.
@@ -304,17 +337,8 @@ impl Replica {
         // Kept or recomputed, the gradient is of the parameters its forward ran at.
         let mut computed_at = kept.as_ref().map_or(self.params_step, |(_, at)| *at);
         let kept = kept.map(|(k, _)| k);
-        let mut g = match (kept, &self.sim) {
-            (_, Some(sim)) => {
-                let ran = self.kept_order.iter().position(|&m| m == mb);
-                if let Some(i) = ran {
-                    self.kept_order.remove(i);
-                }
-                sim.backward(&self.stage, input, upstream, ran.is_none())?
-            }
-            (Some(k), None) => self.stage.backward_kept(k, upstream)?,
-            (None, None) => self.recompute(input, upstream)?,
-        };
+        let mut g =
+            self.backward_of(kept, input, upstream, mb, |r| r.recompute(input, upstream))?;
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let numel = self.numel;
         let mut acc = self.acc();

@@ -50,13 +50,7 @@ impl Replica {
         }
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let out = match self.sim {
-            Some(sim) => {
-                if !self.kept_order.contains(&mb) {
-                    self.kept_order.push_back(mb);
-                    self.keep_within_cap();
-                }
-                sim.forward(&self.stage, input)?
-            }
+            Some(sim) => self.sim_forward(sim, input, mb)?,
             None => {
                 let kept = self.stage.forward_kept(input)?;
                 let out = kept.output().detach();
@@ -87,22 +81,14 @@ impl Replica {
             .kept
             .remove(&mb)
             .filter(|(k, at)| k.input_dims() == input.dims() && *at == step);
-
         if let Err(e) = self.open_at(step) {
             self.acc().owed.settle(mb);
             return Err(e);
         }
-        let mut g = match (kept, &self.sim) {
-            (_, Some(sim)) => {
-                let ran = self.kept_order.iter().position(|&m| m == mb);
-                if let Some(i) = ran {
-                    self.kept_order.remove(i);
-                }
-                sim.backward(&self.stage, input, upstream, ran.is_none())?
-            }
-            (Some((k, _)), None) => self.stage.backward_kept(k, upstream)?,
-            (None, None) => self.stage.backward(input, upstream)?,
-        };
+        let kept = kept.map(|(k, _)| k);
+        let mut g = self.backward_of(kept, input, upstream, mb, |r| {
+            r.stage.backward(input, upstream)
+        })?;
         let grads = std::mem::take(&mut g.grads);
         let n = input.dims().first().copied().unwrap_or(0) as u64;
         let numel = self.numel;
