@@ -18,7 +18,10 @@ use super::bench_swarm::{bench_trainer_args, in_scratch, replica_args, start_run
 use super::scenarios::{BenchOptions, ReplicaSpec, Row, Setup};
 use super::{stop_all, HarnessError, Proc};
 use shoal::averaging::AvgSnapshot;
+use shoal::config::{RunConfig, StageKind};
+use shoal::net::link::LinkSpec;
 use shoal::swarm::events::Event;
+use shoal::wire::CodecSpec;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -372,4 +375,44 @@ fn stage_params(setup: &Setup) -> Vec<u64> {
                 .map_or(0, |st| st.params().numel() as u64)
         })
         .collect()
+}
+
+/// The `large` scenario: a `sim` run of two stages of over 100M parameters each (d_model
+/// 1024, 8 blocks per stage), 2 replicas per stage and a trainer, all on `home` links.
+/// Gradients travel in int8 (zstd gains nothing on int8 gradients and costs CPU that
+/// five processes on two cores do not have). A step takes about 20 s of trainer work, so
+/// the donors' uplinks have room for a joiner's download between rounds.
+pub fn setup(home: LinkSpec) -> Setup {
+    let mut run = RunConfig::tiny();
+    run.model.vocab = 256;
+    run.model.d_model = 1024;
+    run.model.n_heads = 16;
+    run.model.n_layers = 16;
+    run.model.seq_len = 32;
+    run.stages.count = 2;
+    run.stages.cuts.clear();
+    run.stages.kind = StageKind::Sim;
+    run.stages.sim_ms_per_sample = Some(250.0);
+    run.codecs.gradients = CodecSpec::INT8;
+    run.training.batch_size = 8;
+    run.training.target_batch_size = Some(64);
+    run.training.steps = 1_000_000;
+    Setup {
+        label: "large".into(),
+        run,
+        replicas: (0..4)
+            .map(|i| ReplicaSpec {
+                stage: i % 2,
+                link: home,
+                slowdown: 1.0,
+            })
+            .collect(),
+        trainers: vec![home],
+        concurrency: 2,
+        churn: None,
+        routing: "wiring",
+        call_timeout: None,
+        large: true,
+        sync: false,
+    }
 }

@@ -425,18 +425,26 @@ pub fn scenario(name: &str, opts: &BenchOptions) -> Option<Vec<Setup>> {
             s.run = run;
             vec![s]
         }
-        "pipeline" => vec![pipeline(home)],
-        "large" => vec![large(home)],
+        "pipeline" => {
+            // The homogeneous swarm (4 stages x 2 replicas, 2 trainers, home links) on
+            // real stages, its trainers keeping synchronous steps.
+            let mut s = homogeneous("pipeline", int8z);
+            s.run = pipeline_run();
+            s.concurrency = 4;
+            s.sync = true;
+            vec![s]
+        }
+        "large" => vec![super::bench_large::setup(home)],
         _ => return None,
     })
 }
 
-/// The `pipeline` scenario: real candle stages of a small Llama (d256, 16 blocks, 4 per
-/// stage, seq 128, vocabulary 512) in 4 stages x 2 replicas, 2 trainers, every process on `home` links,
-/// synchronous steps of 4 microbatches of 8. Each stage's forward and backward of a
-/// microbatch costs a few hundred milliseconds of one core, so the cores, not the 50 ms
-/// links, should bind: the question is whether synchronous steps keep them busy.
-fn pipeline(home: LinkSpec) -> Setup {
+/// The run of the `pipeline` scenario: real candle stages of a small Llama (d256, 16
+/// blocks, 4 per stage, seq 128, vocabulary 512) in 4 stages, synchronous steps of 4
+/// microbatches of 8. Each stage's forward and backward of a microbatch costs a few hundred
+/// milliseconds of one core, so the cores, not the 50 ms links, should bind: the question
+/// is whether synchronous steps keep them busy.
+fn pipeline_run() -> RunConfig {
     let mut run = RunConfig::tiny();
     run.model.family = shoal::config::Family::Llama;
     run.model.vocab = 512;
@@ -450,68 +458,11 @@ fn pipeline(home: LinkSpec) -> Setup {
     run.training.batch_size = PIPELINE_MICROBATCH;
     run.training.target_batch_size = Some(4 * PIPELINE_MICROBATCH);
     run.training.steps = 1_000_000;
-    Setup {
-        label: "pipeline".into(),
-        run,
-        replicas: (0..8)
-            .map(|i| ReplicaSpec {
-                stage: i % 4,
-                link: home,
-                slowdown: 1.0,
-            })
-            .collect(),
-        trainers: vec![home; 2],
-        concurrency: 4,
-        churn: None,
-        routing: "wiring",
-        call_timeout: None,
-        large: false,
-        sync: true,
-    }
+    run
 }
 
 /// Samples per microbatch of the `pipeline` scenario.
 pub const PIPELINE_MICROBATCH: usize = 8;
-
-/// The `large` scenario: a `sim` run of two stages of over 100M parameters each (d_model
-/// 1024, 8 blocks per stage), 2 replicas per stage and a trainer, all on `home` links.
-/// Gradients travel in int8 (zstd gains nothing on int8 gradients and costs CPU that
-/// five processes on two cores do not have). A step takes about 20 s of trainer work, so
-/// the donors' uplinks have room for a joiner's download between rounds.
-fn large(home: LinkSpec) -> Setup {
-    let mut run = RunConfig::tiny();
-    run.model.vocab = 256;
-    run.model.d_model = 1024;
-    run.model.n_heads = 16;
-    run.model.n_layers = 16;
-    run.model.seq_len = 32;
-    run.stages.count = 2;
-    run.stages.cuts.clear();
-    run.stages.kind = StageKind::Sim;
-    run.stages.sim_ms_per_sample = Some(250.0);
-    run.codecs.gradients = CodecSpec::INT8;
-    run.training.batch_size = 8;
-    run.training.target_batch_size = Some(64);
-    run.training.steps = 1_000_000;
-    Setup {
-        label: "large".into(),
-        run,
-        replicas: (0..4)
-            .map(|i| ReplicaSpec {
-                stage: i % 2,
-                link: home,
-                slowdown: 1.0,
-            })
-            .collect(),
-        trainers: vec![home],
-        concurrency: 2,
-        churn: None,
-        routing: "wiring",
-        call_timeout: None,
-        large: true,
-        sync: false,
-    }
-}
 
 /// Raw (f32-sized) bytes per sample a replica of `stage` receives and sends, as our
 /// trainer-centric routing moves them: forward input; for backward the input again and
