@@ -510,14 +510,11 @@ impl Replica {
     }
 }
 
-#[path = "replica_state.rs"]
 mod state;
 pub use state::Snapshot;
 
-#[path = "replica_sync.rs"]
 mod sync;
 pub use sync::SyncError;
 
 #[cfg(test)]
-#[path = "replica_tests.rs"]
 mod tests;

@@ -569,5 +569,4 @@ fn finite_reply(d: tensor::Decoded, what: &str) -> Result<Tensor, CallError> {
     }
 }
 
-#[path = "client_push.rs"]
 mod push;
