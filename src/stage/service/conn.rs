@@ -478,9 +478,9 @@ const HOLD_LIMIT: Duration = Duration::from_secs(15);
 
 /// Holds a synchronous call until its step is open here: on stage 0 (a forward), until the step
 /// accumulated now has room for it ([`sync::admits`]), which assigns the microbatch that
-/// step (`req.step`) and counts its samples as owed; elsewhere, until this replica's
-/// parameters reach the microbatch's step (the compute thread refuses it if the step has
-/// closed by then).
+/// step (`req.step`) and counts its samples as owed; elsewhere, until the microbatch's step
+/// is open here or this replica moved past it (a forward then runs in the step open here;
+/// the compute thread refuses what finds its step closed).
 async fn hold_for_step(
     shared: &Arc<Shared>,
     req: &mut Request,
