@@ -206,6 +206,7 @@ where
                         return Err(Failure::Failed(format!("stage {s}: {e}")));
                     }
                     let ban = ban_for(&e, ctx.cfg.ban);
+                    tracing::debug!(target: "shoal::trainer", stage = s, %peer, ms = secs * 1e3, "swap: {e}");
                     if let Some((_, st)) = entry {
                         st.in_flight = st.in_flight.saturating_sub(1);
                         st.banned_until = Some(Instant::now() + ban);

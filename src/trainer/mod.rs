@@ -460,8 +460,8 @@ async fn pass(
     let mut owed = Owed::new(ctx);
     // The last stage's answer when its input was pushed there.
     let mut pushed = None;
-    // The step each stage computed the microbatch at (a stage past its step computes it in
-    // its own).
+    // The step each stage computed the microbatch at (stage 0's: a stage that closed that
+    // step refuses it).
     let mut tags: Vec<Option<u64>> = vec![None; ctx.stages];
     let mut note = |s: usize, step: u64, micro: &mut Micro| {
         if sync {

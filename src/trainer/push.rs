@@ -11,6 +11,7 @@
 use super::call::{ban_for, call_stage, pick, settle, swap_reason, Failure};
 use super::{Ctx, Micro, Owed, TrainerStats};
 use crate::stage::client::{BackwardReply, CallError};
+use crate::wire::msg::ErrorKind;
 use candle_core::Tensor;
 use libp2p::PeerId;
 use std::sync::atomic::Ordering;
@@ -92,6 +93,11 @@ pub(super) async fn into_last(
         }
         Err(e) => {
             settle(ctx, last, to, n, Err(ban_for(&e, ctx.cfg.ban)));
+            if e.kind() == Some(ErrorKind::StepClosed) {
+                // The step stage `s` put it in closed at the last stage: start it again.
+                tracing::debug!(target: "shoal::trainer", stage = last, "{e}");
+                return Err(Failure::Closed);
+            }
             ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
             TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
             Ok(Hop::Plain(out.map(|o| (o, fwd_step))))

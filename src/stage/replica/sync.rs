@@ -32,10 +32,9 @@ impl Replica {
         Ok(())
     }
 
-    /// The forward of synchronous microbatch `mb` of step `step` (or of the step this
-    /// replica is at, when it is past `step`: a later stage that moved on computes it in
-    /// its own step), at that step's parameters exactly (no prediction); its graph is kept
-    /// for the backward and its samples are owed to the step until the backward comes.
+    /// The forward of synchronous microbatch `mb` of step `step`, at that step's parameters
+    /// exactly (no prediction), or refused when the step is not open here; its graph is
+    /// kept for the backward and its samples are owed to the step until the backward comes.
     /// Returns the output and the step it was computed at.
     pub fn forward_sync(
         &mut self,
@@ -43,7 +42,6 @@ impl Replica {
         mb: u64,
         step: u64,
     ) -> Result<(Tensor, u64), SyncError> {
-        let step = step.max(self.params_step);
         if let Err(e) = self.open_at(step) {
             self.acc().owed.settle(mb);
             return Err(e);

@@ -330,7 +330,7 @@ async fn serve_one(
         }
         Op::Push => match frames.into_iter().next() {
             Some(f) => {
-                shared.inbox.put(req.mb, f);
+                shared.inbox.put(req.mb, req.step, f);
                 shared.counters.served.fetch_add(1, Ordering::Relaxed);
                 Reply {
                     header: ok(shared, 0),
@@ -425,10 +425,17 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
 /// A forward or backward: its pushed input awaited when it has one, computed, and its
 /// output pushed on when asked (the answer keeps the output only if the push failed, so
 /// the caller can send it on itself).
-async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -> Reply {
+async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>>) -> Reply {
     if req.pushed {
         match shared.inbox.take(req.mb, push::WAIT).await {
-            Some(f) => frames.insert(0, f),
+            Some((f, step)) => {
+                frames.insert(0, f);
+                // A synchronous microbatch's step is the one the stage before computed it
+                // at (assigned on stage 0 after the caller sent this request).
+                if req.sync {
+                    req.step = step;
+                }
+            }
             None => {
                 return refusal(
                     shared,
@@ -438,7 +445,6 @@ async fn compute(shared: &Arc<Shared>, req: Request, mut frames: Vec<Vec<u8>>) -
             }
         }
     }
-    let mut req = req;
     // A synchronous forward waits for its step; so does a backward past stage 0 (the last
     // stage's, which runs the forward too, may come before that stage applied the step).
     let held = match req.op {
@@ -479,8 +485,8 @@ const HOLD_LIMIT: Duration = Duration::from_secs(15);
 /// Holds a synchronous call until its step is open here: on stage 0 (a forward), until the step
 /// accumulated now has room for it ([`sync::admits`]), which assigns the microbatch that
 /// step (`req.step`) and counts its samples as owed; elsewhere, until the microbatch's step
-/// is open here or this replica moved past it (a forward then runs in the step open here;
-/// the compute thread refuses what finds its step closed).
+/// is open here, refused `step_closed` once this replica closed it (the compute thread
+/// also refuses what finds its step closed).
 async fn hold_for_step(
     shared: &Arc<Shared>,
     req: &mut Request,
@@ -503,9 +509,22 @@ async fn hold_for_step(
             let mut acc = lock(&shared.accum);
             let s = acc.params_step;
             if shared.stage != 0 {
-                // Its step (or a later one, which takes it) is open here.
-                if s > req.step || (s == req.step && acc.accum_step() == s) {
+                // Its step is open here: computed now. Closed here already (its batch was
+                // full: this microbatch is one more than the step took at stage 0, in a
+                // race): refused, and its trainer starts it again in a later step. A stage
+                // never computes a microbatch in another step than stage 0 gave it, so
+                // every stage closes a step on the same microbatches.
+                if s == req.step && acc.accum_step() == s {
                     return Ok(());
+                }
+                if s > req.step || acc.accum_step() > req.step {
+                    let msg = format!(
+                        "step {} is closed here (parameters at step {s}, gradients going into step {})",
+                        req.step,
+                        acc.accum_step()
+                    );
+                    drop(acc);
+                    return Err(refusal(shared, ErrorKind::StepClosed, msg));
                 }
             } else if acc.accum_step() == s {
                 let since = match open_since {
@@ -528,6 +547,7 @@ async fn hold_for_step(
                     waited: now.saturating_duration_since(since),
                 };
                 if sync::admits(&room) {
+                    tracing::debug!(mb = req.mb, step = s, ?room, "admitted");
                     acc.owed.prune(s, now);
                     acc.owed.add(req.mb, s, samples, now);
                     req.step = s;
@@ -539,6 +559,7 @@ async fn hold_for_step(
             }
         }
         if started.elapsed() >= HOLD_LIMIT {
+            tracing::debug!(mb = req.mb, step = req.step, "held past the limit");
             return Err(refusal(
                 shared,
                 ErrorKind::Overloaded,

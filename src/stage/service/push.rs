@@ -28,30 +28,36 @@ pub const WAIT: Duration = Duration::from_secs(10);
 /// fallback, not a timeout that would blame this replica.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// One pushed input: its microbatch, the step its sender computed it at, the frame, and
+/// when it came.
+type Held = (u64, u64, Vec<u8>, Instant);
+
 /// Inputs pushed to this replica, by microbatch.
 #[derive(Debug, Default)]
 pub struct Inbox {
-    held: Mutex<VecDeque<(u64, Vec<u8>, Instant)>>,
+    held: Mutex<VecDeque<Held>>,
     arrived: Notify,
 }
 
 impl Inbox {
-    /// Holds the input `frame` of microbatch `mb` (replacing one held for it).
-    pub fn put(&self, mb: u64, frame: Vec<u8>) {
+    /// Holds the input `frame` of microbatch `mb`, computed at step `step` by the stage
+    /// before (replacing one held for it).
+    pub fn put(&self, mb: u64, step: u64, frame: Vec<u8>) {
         let now = Instant::now();
         {
             let mut held = super::lock(&self.held);
-            held.retain(|(m, _, at)| *m != mb && now.duration_since(*at) < HELD_FOR);
+            held.retain(|(m, _, _, at)| *m != mb && now.duration_since(*at) < HELD_FOR);
             while held.len() >= HELD {
                 held.pop_front();
             }
-            held.push_back((mb, frame, now));
+            held.push_back((mb, step, frame, now));
         }
         self.arrived.notify_waiters();
     }
 
-    /// Takes the input pushed for `mb`, waiting for it at most `wait`.
-    pub async fn take(&self, mb: u64, wait: Duration) -> Option<Vec<u8>> {
+    /// Takes the input pushed for `mb` and the step it was computed at, waiting for it at
+    /// most `wait`.
+    pub async fn take(&self, mb: u64, wait: Duration) -> Option<(Vec<u8>, u64)> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             // Registered before looking, so that a push between the look and the wait
@@ -61,8 +67,8 @@ impl Inbox {
             arrived.as_mut().enable();
             {
                 let mut held = super::lock(&self.held);
-                if let Some(i) = held.iter().position(|(m, _, _)| *m == mb) {
-                    return held.remove(i).map(|(_, f, _)| f);
+                if let Some(i) = held.iter().position(|(m, _, _, _)| *m == mb) {
+                    return held.remove(i).map(|(_, step, f, _)| (f, step));
                 }
             }
             if tokio::time::timeout_at(deadline, arrived).await.is_err() {
@@ -98,8 +104,8 @@ mod tests {
     #[tokio::test]
     async fn a_request_gets_the_input_pushed_before_or_after_it_and_no_other() {
         let inbox = std::sync::Arc::new(Inbox::default());
-        inbox.put(1, vec![1]);
-        assert_eq!(inbox.take(1, Duration::ZERO).await, Some(vec![1]));
+        inbox.put(1, 4, vec![1]);
+        assert_eq!(inbox.take(1, Duration::ZERO).await, Some((vec![1], 4)));
         assert_eq!(
             inbox.take(1, Duration::from_millis(20)).await,
             None,
@@ -110,9 +116,9 @@ mod tests {
             tokio::spawn(async move { inbox.take(2, Duration::from_secs(5)).await })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
-        inbox.put(3, vec![3]);
-        inbox.put(2, vec![2]);
-        assert_eq!(later.await.unwrap(), Some(vec![2]));
+        inbox.put(3, 0, vec![3]);
+        inbox.put(2, 0, vec![2]);
+        assert_eq!(later.await.unwrap(), Some((vec![2], 0)));
         assert_eq!(inbox.len(), 1, "microbatch 3's input is still held");
     }
 
@@ -120,7 +126,7 @@ mod tests {
     fn the_oldest_inputs_go_first_when_too_many_are_held() {
         let inbox = Inbox::default();
         for mb in 0..(HELD as u64 + 5) {
-            inbox.put(mb, vec![0]);
+            inbox.put(mb, 0, vec![0]);
         }
         assert_eq!(inbox.len(), HELD);
         let held = super::super::lock(&inbox.held);
