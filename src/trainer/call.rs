@@ -72,6 +72,30 @@ pub(super) fn pick(
     }))
 }
 
+/// Replicas of a stage slower than this fraction of the stage's fastest (as announced) get
+/// no lane of their own: [`lane`] leaves them to the usual routing.
+const LANE_SPEED: f64 = 0.7;
+
+/// The replica of stage `s` a synchronous microbatch admitted by `first` (a replica of stage
+/// 0) goes to: the one in the same place among its stage's replicas, ordered by peer id, as
+/// `first` among stage 0's. Stage 0 deals a step's microbatches round its replicas in that
+/// order, so every stage's replicas get an equal share of each step, where two trainers
+/// routing on their own would often pile three of four on one replica. `None` (usual
+/// routing) when `first` is unknown here or the replica is much slower than its stage's
+/// fastest.
+pub(super) fn lane(ctx: &Ctx, s: usize, first: PeerId) -> Option<PeerId> {
+    let table = ctx.table.lock().ok()?;
+    let mut zero: Vec<PeerId> = table.first()?.iter().map(|(p, _)| *p).collect();
+    zero.sort();
+    let rank = zero.iter().position(|p| *p == first)?;
+    let row = table.get(s)?;
+    let mut ids: Vec<(PeerId, f64)> = row.iter().map(|(p, st)| (*p, st.announced)).collect();
+    ids.sort_by_key(|(p, _)| *p);
+    let fastest = ids.iter().map(|(_, a)| *a).fold(0.0, f64::max);
+    let (peer, speed) = *ids.get(rank % ids.len().max(1))?;
+    (speed >= LANE_SPEED * fastest).then_some(peer)
+}
+
 /// A call to `peer` (stage `s`, picked by [`pick`]) ended outside [`call_stage`]: it took
 /// `secs` for `samples` samples when it succeeded; when it failed, the replica is avoided
 /// for `ban`.

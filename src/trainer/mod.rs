@@ -463,6 +463,9 @@ async fn pass(
     // The step each stage computed the microbatch at (stage 0's: a stage that closed that
     // step refuses it).
     let mut tags: Vec<Option<u64>> = vec![None; ctx.stages];
+    // The replica of stage 0 that admitted a synchronous microbatch: later stages go by
+    // its lane ([`call::lane`]).
+    let mut first: Option<PeerId> = None;
     let mut note = |s: usize, step: u64, micro: &mut Micro| {
         if sync {
             tags[s] = Some(step);
@@ -473,7 +476,7 @@ async fn pass(
     };
     for s in 0..last {
         if s + 1 == last && ctx.cfg.push {
-            match push::into_last(ctx, s, micro, &inputs[s], y, &mut owed).await? {
+            match push::into_last(ctx, s, micro, &inputs[s], y, &mut owed, first).await? {
                 push::Hop::Done(peer, reply, step) => {
                     note(s, step, &mut micro);
                     pushed = Some((peer, reply));
@@ -492,7 +495,8 @@ async fn pass(
         }
         let input = inputs[s].clone();
         let tag = micro.tag;
-        let (peer, (out, step)) = call_stage(ctx, s, None, n, |peer, step| {
+        let prefer = first.and_then(|p| call::lane(ctx, s, p));
+        let (peer, (out, step)) = call_stage(ctx, s, prefer, n, |peer, step| {
             let c = ctx.client.clone();
             let input = input.clone();
             let step = tag.unwrap_or(step);
@@ -501,6 +505,9 @@ async fn pass(
         .await?;
         note(s, step, &mut micro);
         owed.add(s, peer);
+        if s == 0 && sync {
+            first = Some(peer);
+        }
         inputs.push(out);
     }
     let mut upstream = y.clone();

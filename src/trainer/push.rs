@@ -8,7 +8,7 @@
 //! the forward's answer; a last-stage call that failed after the push gets the forward run
 //! again. No sample is lost to the hop.
 
-use super::call::{ban_for, call_stage, pick, settle, swap_reason, Failure};
+use super::call::{ban_for, call_stage, lane, pick, settle, swap_reason, Failure};
 use super::{Ctx, Micro, Owed, TrainerStats};
 use crate::stage::client::{BackwardReply, CallError};
 use crate::wire::msg::ErrorKind;
@@ -30,7 +30,9 @@ pub(super) enum Hop {
 
 /// Runs stage `s`'s forward of microbatch `micro` pushing into a replica of
 /// stage `s + 1`, the last, called with `targets`; `tag`: the synchronous step the
-/// microbatch belongs to. `Err`: stage `s` had no usable replica, or the step closed.
+/// microbatch belongs to; `first`: the replica of stage 0 that admitted it, whose lane
+/// ([`lane`]) the two stages' replicas are taken from when usable. `Err`: stage `s` had no
+/// usable replica, or the step closed.
 pub(super) async fn into_last(
     ctx: &Ctx,
     s: usize,
@@ -38,16 +40,18 @@ pub(super) async fn into_last(
     input: &Tensor,
     targets: &Tensor,
     owed: &mut Owed<'_>,
+    first: Option<PeerId>,
 ) -> Result<Hop, Failure> {
     let Micro { id: mb, tag, n } = micro;
     let last = s + 1;
-    let Some(to) = pick(ctx, last, None, n, Instant::now())? else {
+    let prefer = |stage| first.and_then(|p| lane(ctx, stage, p));
+    let Some(to) = pick(ctx, last, prefer(last), n, Instant::now())? else {
         return Ok(Hop::Plain(None));
     };
     let t0 = Instant::now();
     let step = tag.unwrap_or_else(|| ctx.stats.stage_steps[last].load(Ordering::Relaxed));
     let bwd = ctx.client.backward_pushed(to, last, step, mb, targets);
-    let fwd = call_stage(ctx, s, None, n, |peer, step| {
+    let fwd = call_stage(ctx, s, prefer(s), n, |peer, step| {
         let c = ctx.client.clone();
         let input = input.clone();
         let step = tag.unwrap_or(step);

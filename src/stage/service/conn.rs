@@ -478,8 +478,7 @@ async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>
     reply
 }
 
-/// Longest a synchronous forward is held for its step before it is refused `overloaded`
-/// (below a trainer's default call timeout, so the caller hears why).
+/// Longest a synchronous call is held for its step before it is refused `overloaded`.
 const HOLD_LIMIT: Duration = Duration::from_secs(15);
 
 /// Holds a synchronous call until its step is open here: on stage 0 (a forward), until the step
@@ -509,11 +508,9 @@ async fn hold_for_step(
             let mut acc = lock(&shared.accum);
             let s = acc.params_step;
             if shared.stage != 0 {
-                // Its step is open here: computed now. Closed here already (its batch was
-                // full: this microbatch is one more than the step took at stage 0, in a
-                // race): refused, and its trainer starts it again in a later step. A stage
-                // never computes a microbatch in another step than stage 0 gave it, so
-                // every stage closes a step on the same microbatches.
+                // Its step open here: computed now. Closed here (one microbatch more than
+                // the step took, in a race): refused, and started again in a later step. So
+                // every stage closes a step on the microbatches stage 0 gave it.
                 if s == req.step && acc.accum_step() == s {
                     return Ok(());
                 }
