@@ -52,6 +52,14 @@ pub struct Others {
     pub rank: u64,
 }
 
+/// Why a replica whose parameters are at step `params` and whose gradients go into step
+/// `accum` refuses a synchronous microbatch of step `step` (the `step_closed` message).
+pub fn closed_message(step: u64, params: u64, accum: u64) -> String {
+    format!(
+        "step {step} is closed here (parameters at step {params}, gradients going into step {accum})"
+    )
+}
+
 /// Bits of a microbatch id a trainer keeps when it starts the microbatch again under a new
 /// id ([`restarted_id`]): a replica settles what the earlier attempt still held.
 const ATTEMPT_SHIFT: u32 = 56;

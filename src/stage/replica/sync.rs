@@ -24,9 +24,10 @@ impl Replica {
     fn open_at(&self, step: u64) -> Result<(), SyncError> {
         let accum = self.acc().accum_step();
         if self.params_step != step || accum != step {
-            return Err(SyncError::Closed(format!(
-                "step {step} is closed here (parameters at step {}, gradients going into step {accum})",
-                self.params_step
+            return Err(SyncError::Closed(crate::stage::sync::closed_message(
+                step,
+                self.params_step,
+                accum,
             )));
         }
         Ok(())

@@ -515,11 +515,7 @@ async fn hold_for_step(
                     return Ok(());
                 }
                 if s > req.step || acc.accum_step() > req.step {
-                    let msg = format!(
-                        "step {} is closed here (parameters at step {s}, gradients going into step {})",
-                        req.step,
-                        acc.accum_step()
-                    );
+                    let msg = sync::closed_message(req.step, s, acc.accum_step());
                     drop(acc);
                     return Err(refusal(shared, ErrorKind::StepClosed, msg));
                 }
