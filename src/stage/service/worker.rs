@@ -96,9 +96,21 @@ impl Worker {
             );
             c.jobs.fetch_add(1, Ordering::Relaxed);
             let before = codec_us();
+            let sched0 = sched_ns();
             let result = self.process(&job.req, &job.frames);
             let us = (t0.elapsed().as_micros() as u64).saturating_sub(codec_us() - before);
             c.compute_us.fetch_add(us, Ordering::Relaxed);
+            let sched1 = sched_ns();
+            tracing::debug!(
+                cpu_ms = (sched1.0.saturating_sub(sched0.0)) / 1_000_000,
+                runq_ms = (sched1.1.saturating_sub(sched0.1)) / 1_000_000,
+                op = ?job.req.op,
+                mb = job.req.mb,
+                step = job.req.step,
+                wait_ms = t0.saturating_duration_since(job.queued_at).as_millis() as u64,
+                ms = us / 1000,
+                "job"
+            );
             self.shared.queue.fetch_sub(1, Ordering::Relaxed);
             let reply = match result {
                 Ok(r) => {
@@ -221,6 +233,16 @@ impl Worker {
             )),
         }
     }
+}
+
+/// This thread's time on a CPU and waiting for one, in ns (Linux's schedstat; zeros where
+/// it cannot be read): says whether a slow job worked or waited.
+fn sched_ns() -> (u64, u64) {
+    let Ok(s) = std::fs::read_to_string("/proc/thread-self/schedstat") else {
+        return (0, 0);
+    };
+    let mut it = s.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+    (it.next().unwrap_or(0), it.next().unwrap_or(0))
 }
 
 /// Samples per second of forward + backward of `stage` on microbatches of `batch`, as a
