@@ -5,6 +5,7 @@
     reason = "tests and benches fail by panicking"
 )]
 
+use libp2p::identity::Keypair;
 use shoal::config::RunConfig;
 use shoal::dht::record::{self, parse_key, KeyKind, RecordError};
 use shoal::dht::{self, Announcement, Manifest, ManifestError};
@@ -30,7 +31,14 @@ fn ann(run: &str, peer: &str, now: u64) -> Announcement {
     }
 }
 
-const PEER: &str = "12D3KooWF6JZRfF6yvtKr3JL8dKPrhWzGyK1nEMtZAgZUAYfcgJd";
+const RUN: &str = "0123456789abcdef0123456789abcdef";
+
+/// A peer's key and its id as text.
+fn peer() -> (Keypair, String) {
+    let k = Keypair::generate_ed25519();
+    let id = k.public().to_peer_id().to_string();
+    (k, id)
+}
 
 #[test]
 fn manifest_is_canonical_and_checked_against_its_id() {
@@ -63,28 +71,26 @@ fn manifest_is_canonical_and_checked_against_its_id() {
 
 #[test]
 fn announcements_validate_and_expire() {
-    let run = "0123456789abcdef0123456789abcdef";
+    let (key, me) = peer();
     let now = 1_000_000;
-    let a = ann(run, PEER, now);
-    let key = dht::announcement_key(PEER);
-    assert_eq!(parse_key(key.as_bytes()), Ok(KeyKind::Announcement(PEER)));
-    let bytes = a.to_bytes();
+    let a = ann(RUN, &me, now);
+    let rkey = dht::announcement_key(&me);
     assert_eq!(
-        Announcement::from_bytes(&bytes, PEER, now + 1),
+        parse_key(rkey.as_bytes()),
+        Ok(KeyKind::Announcement(me.as_str()))
+    );
+    let bytes = a.signed(&key).unwrap();
+    assert_eq!(
+        Announcement::from_bytes(&bytes, &me, now + 1),
         Ok(a.clone())
     );
-    assert!(dht::validate(key.as_bytes(), &bytes, now + 1).is_ok());
+    assert!(dht::validate(rkey.as_bytes(), &bytes, now + 1).is_ok());
     // Expired.
     assert_eq!(
-        Announcement::from_bytes(&bytes, PEER, now + 30_000),
+        Announcement::from_bytes(&bytes, &me, now + 30_000),
         Err(RecordError::Expired)
     );
-    // Stored under another peer's key.
-    assert!(matches!(
-        Announcement::from_bytes(&bytes, "12D3KooWother", now),
-        Err(RecordError::Malformed(_))
-    ));
-    // Inconsistent values.
+    // Inconsistent values, signed by the right key.
     let bad: [fn(&mut Announcement); 8] = [
         |a| a.stage = 2,
         |a| a.stages = 0,
@@ -99,27 +105,170 @@ fn announcements_validate_and_expire() {
         let mut b = a.clone();
         f(&mut b);
         assert!(
-            Announcement::from_bytes(&b.to_bytes(), PEER, now).is_err(),
+            Announcement::from_bytes(&b.signed(&key).unwrap(), &me, now).is_err(),
             "case {i} accepted"
         );
     }
+    // The peer field names another peer than the key (signed by the key's peer).
+    let mut other = a.clone();
+    other.peer = peer().1;
+    assert!(matches!(
+        Announcement::from_bytes(&other.signed(&key).unwrap(), &me, now),
+        Err(RecordError::Malformed(_))
+    ));
     // Oversized, garbage, unknown fields, unknown keys.
     let mut big = a.clone();
     big.device = "x".repeat(9000);
     assert!(matches!(
-        Announcement::from_bytes(&big.to_bytes(), PEER, now),
+        Announcement::from_bytes(&big.signed(&key).unwrap(), &me, now),
         Err(RecordError::TooLarge(_))
     ));
-    assert!(Announcement::from_bytes(b"\x00\x01junk", PEER, now).is_err());
-    let extra = String::from_utf8(bytes.clone())
+    assert!(Announcement::from_bytes(b"\x00\x01junk", &me, now).is_err());
+    let extra = String::from_utf8(a.to_bytes())
         .unwrap()
         .replacen('{', "{\"evil\":1,", 1);
-    assert!(Announcement::from_bytes(extra.as_bytes(), PEER, now).is_err());
+    let extra = signed_payload(&key, extra.into_bytes());
+    assert!(matches!(
+        Announcement::from_bytes(&extra, &me, now),
+        Err(RecordError::Malformed(_))
+    ));
     assert_eq!(
         dht::validate(b"/other/key", &bytes, now),
         Err(RecordError::UnknownKey)
     );
-    assert!(record::is_provider_key(dht::stage_key(run, 3).as_bytes()));
+    assert!(record::is_provider_key(dht::stage_key(RUN, 3).as_bytes()));
     assert!(record::is_provider_key(dht::PEERS_KEY.as_bytes()));
     assert!(!record::is_provider_key(b"/shoal/stage/zz/1"));
+}
+
+/// `payload` in an announcement envelope signed with `key`.
+fn signed_payload(key: &Keypair, payload: Vec<u8>) -> Vec<u8> {
+    libp2p::core::SignedEnvelope::new(
+        key,
+        "shoal-announcement".into(),
+        b"/shoal/ann/2".to_vec(),
+        payload,
+    )
+    .unwrap()
+    .into_protobuf_encoding()
+}
+
+#[test]
+fn forged_announcement_for_another_peer_is_rejected() {
+    // Peer B writes a record about peer A, under A's key, signed with its own key.
+    let (_, a_id) = peer();
+    let (b_key, _) = peer();
+    let now = 1_000_000;
+    let forged = ann(RUN, &a_id, now).signed(&b_key).unwrap();
+    let rkey = dht::announcement_key(&a_id);
+    assert!(matches!(
+        dht::validate(rkey.as_bytes(), &forged, now),
+        Err(RecordError::Forged(_))
+    ));
+    assert!(matches!(
+        Announcement::from_bytes(&forged, &a_id, now),
+        Err(RecordError::Forged(_))
+    ));
+}
+
+#[test]
+fn forged_announcement_with_a_tampered_field_is_rejected() {
+    let (key, me) = peer();
+    let now = 1_000_000;
+    let a = ann(RUN, &me, now);
+    let genuine = a.signed(&key).unwrap();
+    // Change a field inside the signed bytes (the throughput, same length): the signature
+    // no longer verifies.
+    let at = genuine
+        .windows(5)
+        .position(|w| w == b"120.5")
+        .expect("the payload is in the envelope");
+    let mut tampered = genuine.clone();
+    tampered[at..at + 5].copy_from_slice(b"999.5");
+    assert!(matches!(
+        Announcement::from_bytes(&tampered, &me, now),
+        Err(RecordError::Forged(_))
+    ));
+    // An unsigned announcement (the JSON alone, as version 1 stored it) is refused too.
+    assert!(matches!(
+        Announcement::from_bytes(&a.to_bytes(), &me, now),
+        Err(RecordError::Forged(_))
+    ));
+    // A different payload type or domain is not an announcement.
+    let other = libp2p::core::SignedEnvelope::new(
+        &key,
+        "other".into(),
+        b"/shoal/ann/2".to_vec(),
+        a.to_bytes(),
+    )
+    .unwrap()
+    .into_protobuf_encoding();
+    assert!(matches!(
+        Announcement::from_bytes(&other, &me, now),
+        Err(RecordError::Forged(_))
+    ));
+}
+
+#[test]
+fn forged_announcement_check_accepts_a_genuine_one() {
+    let (key, me) = peer();
+    let now = 1_000_000;
+    let a = ann(RUN, &me, now);
+    let bytes = a.signed(&key).unwrap();
+    assert!(dht::validate(dht::announcement_key(&me).as_bytes(), &bytes, now).is_ok());
+    assert_eq!(Announcement::from_bytes(&bytes, &me, now), Ok(a));
+}
+
+/// A peer on 127.0.0.1 with a fresh key.
+fn node() -> (shoal::net::NetHandle, Keypair) {
+    let key = Keypair::generate_ed25519();
+    let cfg =
+        shoal::net::NetConfig::new(key.clone(), vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()]);
+    (shoal::net::start(cfg).unwrap(), key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_announcement_stored_to_a_peer_is_refused_and_counted() {
+    use std::time::Duration;
+    let (a, _) = node();
+    let (b, b_key) = node();
+    let a_addr = a.wait_listening(1, Duration::from_secs(5)).await.unwrap()[0].clone();
+    b.dial(a_addr).await.unwrap();
+    let a_id = a.local_peer_id().to_string();
+    let now = dht::now_ms();
+    // B stores a record about A, in A's key, at A (the closest peer to the key it knows).
+    let forged = ann(RUN, &a_id, now).signed(&b_key).unwrap();
+    let key = dht::announcement_key(&a_id).into_bytes();
+    let mut counted = false;
+    for _ in 0..50 {
+        let _ = b
+            .put_record(key.clone(), forged.clone(), Duration::from_secs(30))
+            .await;
+        if a.status().await.unwrap().forged_records > 0 {
+            counted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(counted, "A never counted the forged record");
+    // A keeps nothing under its key, and B reads no announcement of A.
+    assert!(
+        shoal::stage::registry::read_announcement(&b, a.local_peer_id())
+            .await
+            .is_none()
+    );
+    // A's own, signed with its key, is stored and read back by B.
+    let genuine = ann(RUN, &a_id, now);
+    shoal::stage::registry::announce(&a, &genuine, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut read = None;
+    for _ in 0..50 {
+        read = shoal::stage::registry::read_announcement(&b, a.local_peer_id()).await;
+        if read.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(read, Some(genuine));
 }

@@ -84,6 +84,7 @@ fn avg_msgs() -> Vec<AvgMsg> {
             hash: "00ff".into(),
             uplink: 1000,
             owed: 0,
+            lost: 3,
         },
         AvgMsg::Members {
             step: 4,

@@ -320,6 +320,10 @@ impl State {
                 hash: st.params_hash.clone(),
                 uplink: self.stats.uplink.load(Ordering::Relaxed),
                 owed: st.owed_count,
+                lost: {
+                    let mine = View::of(st, Instant::now());
+                    plan::seen_lost(&self.input(&mine), Instant::now(), &self.cfg)
+                },
             };
             for p in self.others() {
                 self.send(p, msg.clone());
@@ -415,7 +419,8 @@ impl State {
                 dead,
                 lost,
             } => {
-                let lost = lost + std::mem::take(&mut self.left_lost);
+                // `lost` counts the samples of replicas that left, as `decide` read them.
+                self.left_lost = 0;
                 for p in dead {
                     self.views.remove(&p);
                     self.known.retain(|k| *k != p);
@@ -456,6 +461,8 @@ impl State {
             looked_up: self.looked_up,
             behind_since: self.timers.behind_since,
             ready_since: self.timers.ready_since,
+            short_since: self.timers.short_since,
+            left_lost: self.left_lost,
         }
     }
 
@@ -542,6 +549,7 @@ impl State {
                 hash,
                 uplink,
                 owed,
+                lost,
             } => {
                 self.views.insert(
                     from,
@@ -553,6 +561,7 @@ impl State {
                         hash,
                         uplink,
                         owed,
+                        lost,
                         at: Instant::now(),
                     },
                 );

@@ -26,6 +26,8 @@ pub struct View {
     pub uplink: u64,
     /// Samples of synchronous microbatches owed toward `accum_step`.
     pub owed: u64,
+    /// Samples of `params_step`'s batch it saw die or leave with other replicas.
+    pub lost: u64,
     /// When it was heard.
     pub at: Instant,
 }
@@ -41,6 +43,7 @@ impl View {
             hash: st.params_hash.clone(),
             uplink: 0,
             owed: st.owed_count,
+            lost: 0,
             at,
         }
     }
@@ -96,6 +99,11 @@ pub struct Input<'a> {
     pub behind_since: Option<Instant>,
     /// Since when, as leader, it has seen enough samples for a round, if it has.
     pub ready_since: Option<Instant>,
+    /// Samples replicas said they held toward this step when they left gracefully.
+    pub left_lost: u64,
+    /// Since when, as leader, it has seen the step short of its batch after a replica
+    /// died or left holding part of it, and the total it saw then.
+    pub short_since: Option<(Instant, u64)>,
 }
 
 /// What to do now.
@@ -132,6 +140,8 @@ pub struct Timers {
     pub behind_since: Option<Instant>,
     /// See [`Input::ready_since`].
     pub ready_since: Option<Instant>,
+    /// See [`Input::short_since`].
+    pub short_since: Option<(Instant, u64)>,
 }
 
 /// The leader of the replicas at this replica's step: the smallest peer id among them.
@@ -231,6 +241,23 @@ fn known_total(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> u64 {
     input.mine.pending_at(s) + others
 }
 
+/// Samples of this replica's step's batch that replicas which died at that step (as it last
+/// heard them) or left (as they said) held: what its `Progress` reports as `lost`.
+pub fn seen_lost(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> u64 {
+    let s = input.mine.params_step;
+    input
+        .views
+        .values()
+        .filter(|v| v.died_by(s, now, cfg.live_timeout) && v.params_step == s)
+        .map(|v| v.pending_at(s))
+        .sum::<u64>()
+        + input.left_lost
+}
+
+/// Heartbeats a leader waits, with its step short of the batch after a replica died or
+/// left holding part of it and no sample arriving, before it leads without the rest.
+pub const SHORT_AFTER: u32 = 5;
+
 /// Decides what the averager does on this tick (no round in progress).
 ///
 /// - Behind (a live replica at a later step, or the leader's hash differs at this step)
@@ -285,15 +312,40 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     if lead != input.me {
         return (Decision::Wait, timers);
     }
-    let total = known_total(input, now, cfg);
+    // What replicas that died or left at this step held was part of its batch: counted
+    // toward it (as lost), or a synchronous step, whose microbatches stage 0 stopped
+    // admitting once the batch was full, would wait for them for ever. The leader may not
+    // have seen them go (it joined after): the others say what they saw.
+    let told = same.iter().map(|(_, v)| v.lost).max().unwrap_or(0);
+    let gone = seen_lost(input, now, cfg).max(told);
+    let total = known_total(input, now, cfg) + gone;
     // Samples frozen for an abandoned attempt: the step's batch was full when its first
     // attempt began, so a retry goes ahead with what the live members hold (the rest went
     // with replicas that died or were banned, and later samples count toward the next step).
     let retry = mine.frozen > 0 || same.iter().any(|(_, v)| v.frozen > 0);
-    if total < if retry { 1 } else { cfg.target.max(1) } {
+    // A replica's last progress message may be older than its last samples: when one died
+    // or left at this step and the total has not moved for `SHORT_AFTER` heartbeats, what
+    // is missing went with it, and the step goes ahead without it.
+    let short = gone > 0 && total > 0 && total < cfg.target.max(1);
+    timers.short_since = match input.short_since {
+        Some((t, n)) if short && n == total => Some((t, n)),
+        _ if short => Some((now, total)),
+        _ => None,
+    };
+    let stalled = timers
+        .short_since
+        .is_some_and(|(t, _)| now.saturating_duration_since(t) >= cfg.heartbeat * SHORT_AFTER);
+    if total
+        < if retry || stalled {
+            1
+        } else {
+            cfg.target.max(1)
+        }
+    {
         timers.ready_since = None;
         return (Decision::Wait, timers);
     }
+    timers.short_since = None;
     let ready = input.ready_since.unwrap_or(now);
     let lagging = live.iter().any(|(_, v)| v.params_step < s);
     let unheard = input.known.iter().any(|p| !input.views.contains_key(p));
@@ -314,11 +366,13 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
         .map(|(p, _)| *p)
         .collect();
     dead.sort();
-    let lost = dead
+    let lost = (dead
         .iter()
         .filter_map(|p| input.views.get(p))
         .map(|v| v.count + v.frozen)
-        .sum();
+        .sum::<u64>()
+        + input.left_lost)
+        .max(told);
     let mut members: Vec<(PeerId, u64)> = same.iter().map(|(p, v)| (*p, v.pending_at(s))).collect();
     members.push((input.me, mine.pending_at(s)));
     members.sort_by_key(|(p, _)| *p);

@@ -17,6 +17,7 @@ fn peers(n: usize) -> Vec<PeerId> {
 fn view(step: u64, count: u64, hash: &str, at: Instant) -> View {
     View {
         owed: 0,
+        lost: 0,
         params_step: step,
         accum_step: step,
         count,
@@ -35,6 +36,7 @@ struct World {
     known: Vec<PeerId>,
     timers: Timers,
     looked_up: bool,
+    left_lost: u64,
 }
 
 impl World {
@@ -47,6 +49,7 @@ impl World {
             known: Vec::new(),
             timers: Timers::default(),
             looked_up: true,
+            left_lost: 0,
         }
     }
 
@@ -68,6 +71,8 @@ impl World {
             looked_up: self.looked_up,
             behind_since: self.timers.behind_since,
             ready_since: self.timers.ready_since,
+            short_since: self.timers.short_since,
+            left_lost: self.left_lost,
         }
     }
 
@@ -143,6 +148,65 @@ fn no_round_below_the_target() {
     w.mine.frozen = 10;
     w.hear(p[1], view(3, 2, "h", now));
     assert!(matches!(w.decide(now, &c), Decision::Lead { .. }));
+}
+
+#[test]
+fn samples_that_died_or_left_with_a_replica_count_toward_its_step() {
+    // A synchronous step: stage 0 admitted the batch and stopped; the replica that
+    // accumulated 12 of its 32 samples here was SIGKILLed, so they never come.
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(20_000);
+    let p = peers(3);
+    let mut w = World::new(p[0], view(3, 20, "h", now), t0);
+    w.hear(p[2], view(3, 12, "h", now - c.live_timeout - ms(1)));
+    match w.decide(now, &c) {
+        Decision::Lead { dead, lost, .. } => assert_eq!((dead, lost), (vec![p[2]], 12)),
+        d => panic!("expected a round, got {d:?}"),
+    }
+    // Its last message said 8 (four more came after it): short by 4, the leader waits
+    // `SHORT_AFTER` heartbeats in which no sample arrives, then leads without them.
+    let mut w = World::new(p[0], view(3, 20, "h", now), t0);
+    w.hear(p[2], view(3, 8, "h", now - c.live_timeout - ms(1)));
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    let later = now + c.heartbeat * SHORT_AFTER;
+    // A sample arriving restarts the wait.
+    w.mine.count = 21;
+    assert_eq!(w.decide(later - ms(1), &c), Decision::Wait);
+    assert_eq!(w.decide(later, &c), Decision::Wait);
+    assert!(matches!(
+        w.decide(later - ms(1) + c.heartbeat * SHORT_AFTER, &c),
+        Decision::Lead { .. }
+    ));
+    // No replica gone: below the target it waits however long.
+    let mut w = World::new(p[0], view(3, 20, "h", now), t0);
+    w.hear(p[1], view(3, 8, "h", now));
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    assert_eq!(w.decide(now + c.heartbeat * 50, &c), Decision::Wait);
+    // A replica that left gracefully said what it held.
+    w.left_lost = 4;
+    assert!(matches!(
+        w.decide(now + c.heartbeat * 51, &c),
+        Decision::Lead { .. }
+    ));
+    // The leader joined after the replica died and never heard of it: the survivor that
+    // saw it die says so in its progress, and the leader counts that.
+    let mut w = World::new(p[0], view(3, 0, "h", now), t0);
+    let mut survivor = view(3, 20, "h", now);
+    w.hear(p[1], survivor.clone());
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    survivor.lost = 12;
+    w.hear(p[1], survivor);
+    match w.decide(now, &c) {
+        Decision::Lead { members, lost, .. } => {
+            assert_eq!((members, lost), (vec![p[0], p[1]], 12));
+        }
+        d => panic!("expected a round, got {d:?}"),
+    }
+    let mut inp = World::new(p[1], view(3, 20, "h", now), t0);
+    inp.hear(p[2], view(3, 12, "h", now - c.live_timeout - ms(1)));
+    inp.left_lost = 1;
+    assert_eq!(seen_lost(&inp.input(), now, &c), 13);
 }
 
 #[test]

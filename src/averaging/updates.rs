@@ -121,6 +121,20 @@ impl UpdateLog {
     }
 }
 
+/// Whether an update's chunk count is the one every update of a stage of `numel`
+/// parameters has (a round cuts every gradient the same way): a donor's count is not
+/// believed otherwise, since it sizes an allocation and a loop of calls.
+fn check_chunks(info: &UpdateInfo, numel: usize) -> Result<(), LogError> {
+    let want = numel.div_ceil(super::round::chunk_for(numel)).max(1);
+    if info.chunks as usize != want {
+        return Err(format!(
+            "the update of step {} comes in {} chunks, not the {want} of this stage",
+            info.step, info.chunks
+        ));
+    }
+    Ok(())
+}
+
 /// Replays onto `replica` the updates `donors` kept, from its step on, until no donor has
 /// the next one (it is then at their step, or further behind than they keep). Returns the
 /// updates applied; an error leaves the replica at the last step that checked out.
@@ -133,11 +147,15 @@ pub async fn catch_up(
 ) -> Result<u64, LogError> {
     let mut applied = 0;
     'steps: loop {
-        let step = replica.lock().await.params_step();
+        let (step, numel) = {
+            let r = replica.lock().await;
+            (r.params_step(), r.stage().params().numel())
+        };
         for &d in donors {
             let Ok((info, first)) = client.state_update(d, stage, step, 0).await else {
                 continue;
             };
+            check_chunks(&info, numel).map_err(|e| format!("donor {d}: {e}"))?;
             let mut chunks: ReducedChunks = Vec::with_capacity(info.chunks as usize);
             chunks.push((info.start as usize..info.end as usize, Arc::new(first)));
             // A few calls in flight, so the link's round trip does not idle it.
@@ -244,6 +262,25 @@ mod tests {
             .unwrap();
         assert_eq!(b.params_hash(), a.params_hash());
         assert_eq!(b.snapshot().unwrap(), a.snapshot().unwrap());
+        // A donor's chunk count is checked against the stage's before anything is sized
+        // by it.
+        let cut = n.div_ceil(crate::averaging::round::chunk_for(n)) as u32;
+        let honest = UpdateInfo {
+            chunks: cut,
+            ..info.clone()
+        };
+        assert!(check_chunks(&honest, n).is_ok());
+        for lie in [0, cut + 1, u32::MAX] {
+            let e = check_chunks(
+                &UpdateInfo {
+                    chunks: lie,
+                    ..info.clone()
+                },
+                n,
+            )
+            .unwrap_err();
+            assert!(e.contains("chunks"), "{e}");
+        }
         // An update that does not reach the hash it names is refused.
         assert!(c.replay(0, &replayed, 16, 2, "0000000000000000").is_err());
         // Only the newest few are kept.

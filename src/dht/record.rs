@@ -10,8 +10,16 @@
 //! Every value is size-checked and parsed before it is trusted; the network task refuses to
 //! store a record that does not validate, and readers validate again (a record may have
 //! expired since).
+//!
+//! An announcement is stored signed: a libp2p signed envelope (RFC 0002) around its JSON,
+//! made with the announcing peer's identity key. It is valid only when the signature
+//! verifies and the signing key is the key of the peer named in the record's key, so no
+//! peer can publish addresses, throughput or ban lists in another's name, and a changed
+//! field breaks the signature ([`RecordError::Forged`]; the network task counts them).
 
 use super::manifest::{is_run_id, Manifest};
+use libp2p::core::SignedEnvelope;
+use libp2p::identity::Keypair;
 use serde::{Deserialize, Serialize};
 
 /// Largest announcement value accepted.
@@ -21,7 +29,11 @@ pub const MAX_TTL_MS: u64 = 10 * 60 * 1000;
 /// Most listen addresses an announcement may carry.
 pub const MAX_ADDRS: usize = 32;
 /// The announcement format version.
-pub const ANN_VERSION: u8 = 1;
+pub const ANN_VERSION: u8 = 2;
+/// Domain separation string of announcement signatures.
+const ANN_DOMAIN: &str = "shoal-announcement";
+/// Payload type of a signed announcement.
+const ANN_PAYLOAD_TYPE: &[u8] = b"/shoal/ann/2";
 /// The provider key every serving peer provides.
 pub const PEERS_KEY: &str = "/shoal/peers";
 
@@ -40,6 +52,9 @@ pub enum RecordError {
     /// Past its expiry.
     #[error("record expired")]
     Expired,
+    /// Not signed by the peer it is about, or changed since it was signed.
+    #[error("forged record: {0}")]
+    Forged(String),
 }
 
 /// What a replica says about itself, refreshed well before `expires_ms`.
@@ -101,18 +116,43 @@ pub struct BanNote {
 pub const MAX_BANNED: usize = 8;
 
 impl Announcement {
-    /// The JSON value stored in the DHT.
+    /// Its JSON text (what `info` calls answer, and the payload signed for the DHT).
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
-    /// Parses and validates an announcement stored under `/shoal/ann/<key_peer>`.
+    /// The value stored in the DHT: its JSON in an envelope signed with `key`, which must be
+    /// the identity key of the peer it announces.
+    pub fn signed(&self, key: &Keypair) -> Result<Vec<u8>, RecordError> {
+        SignedEnvelope::new(
+            key,
+            ANN_DOMAIN.to_string(),
+            ANN_PAYLOAD_TYPE.to_vec(),
+            self.to_bytes(),
+        )
+        .map(SignedEnvelope::into_protobuf_encoding)
+        .map_err(|e| RecordError::Malformed(format!("cannot sign the announcement: {e}")))
+    }
+
+    /// Parses and validates an announcement stored under `/shoal/ann/<key_peer>`: the
+    /// envelope's signature verifies, its signer is `key_peer`, and its JSON is well formed.
     pub fn from_bytes(bytes: &[u8], key_peer: &str, now_ms: u64) -> Result<Self, RecordError> {
         if bytes.len() > MAX_ANNOUNCEMENT {
             return Err(RecordError::TooLarge(bytes.len()));
         }
+        let envelope = SignedEnvelope::from_protobuf_encoding(bytes)
+            .map_err(|e| RecordError::Forged(format!("not a signed envelope ({e})")))?;
+        let (payload, signer) = envelope
+            .payload_and_signing_key(ANN_DOMAIN.to_string(), ANN_PAYLOAD_TYPE)
+            .map_err(|e| RecordError::Forged(e.to_string()))?;
+        let signer = signer.to_peer_id().to_string();
+        if signer != key_peer {
+            return Err(RecordError::Forged(format!(
+                "signed by {signer}, not by the peer it announces"
+            )));
+        }
         let a: Self =
-            serde_json::from_slice(bytes).map_err(|e| RecordError::Malformed(e.to_string()))?;
+            serde_json::from_slice(payload).map_err(|e| RecordError::Malformed(e.to_string()))?;
         a.check(key_peer)?;
         if a.expires_ms <= now_ms {
             return Err(RecordError::Expired);

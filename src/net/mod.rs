@@ -159,6 +159,8 @@ pub struct NetHandle {
     tx: mpsc::Sender<Command>,
     control: libp2p_stream::Control,
     local: PeerId,
+    /// The peer's identity key: signs the records it publishes about itself.
+    identity: Keypair,
     events: tokio::sync::broadcast::Sender<reach::NetEvent>,
 }
 
@@ -209,6 +211,7 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
         tx,
         control,
         local,
+        identity: cfg.identity.clone(),
         events,
     })
 }
@@ -237,6 +240,11 @@ pub fn parse_addr(s: &str) -> Result<Multiaddr, NetError> {
 }
 
 impl NetHandle {
+    /// This peer's identity key (signs its announcements).
+    pub fn identity(&self) -> &Keypair {
+        &self.identity
+    }
+
     /// This peer's id.
     pub fn local_peer_id(&self) -> PeerId {
         self.local

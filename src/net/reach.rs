@@ -86,6 +86,9 @@ pub struct NetStatus {
     pub hole_punch_failed: u64,
     /// Peers refused (wrong wire version, not shoal): (peer, why), the latest last.
     pub refused: Vec<(String, String)>,
+    /// DHT records refused as forged (not signed by the peer they are about, or changed
+    /// since), stored to us or fetched by us.
+    pub forged_records: u64,
     /// Connected peers that identified themselves: peer id → what we know of them.
     pub remotes: std::collections::BTreeMap<String, Remote>,
 }

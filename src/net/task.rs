@@ -381,6 +381,13 @@ pub(super) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// Counts a record refused as forged.
+fn count_forged(st: &mut State, e: &dht::RecordError) {
+    if matches!(e, dht::RecordError::Forged(_)) {
+        st.status.forged_records += 1;
+    }
+}
+
 fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
     let now = dht::now_ms();
     match event {
@@ -396,6 +403,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                     }
                 }
                 Err(e) => {
+                    count_forged(st, &e);
                     tracing::debug!(target: "shoal::net", %source, "refused a record: {e}");
                 }
             },
@@ -420,6 +428,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                         match dht::validate(pr.record.key.as_ref(), &pr.record.value, now) {
                             Ok(()) => found.push(pr.record.value),
                             Err(e) => {
+                                count_forged(st, &e);
                                 tracing::debug!(target: "shoal::net", "ignored a record: {e}");
                             }
                         }

@@ -61,14 +61,14 @@ pub async fn fetch_manifest(
     }
 }
 
-/// Publishes an announcement and provides its stage key and the peers key.
+/// Publishes an announcement, signed with this peer's key, and provides its stage key and
+/// the peers key.
 pub async fn announce(net: &NetHandle, ann: &Announcement, ttl: Duration) -> Result<(), NetError> {
-    net.put_record(
-        dht::announcement_key(&ann.peer).into_bytes(),
-        ann.to_bytes(),
-        ttl,
-    )
-    .await?;
+    let signed = ann
+        .signed(net.identity())
+        .map_err(|e| NetError::Dht(e.to_string()))?;
+    net.put_record(dht::announcement_key(&ann.peer).into_bytes(), signed, ttl)
+        .await?;
     net.start_providing(dht::stage_key(&ann.run, ann.stage as usize).into_bytes())
         .await?;
     net.start_providing(dht::PEERS_KEY.as_bytes().to_vec())

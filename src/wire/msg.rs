@@ -88,6 +88,11 @@ pub enum AvgMsg {
         /// has not come yet (stage 0's admission counts them as taken).
         #[serde(default)]
         owed: u64,
+        /// Samples of `params_step`'s batch that replicas which died or left at that step
+        /// held, as far as the sender saw them go (the leader may not have: it counts them
+        /// toward the batch, which otherwise never fills).
+        #[serde(default)]
+        lost: u64,
     },
     /// From the round's leader: the members of an attempt at averaging `step`, in the order
     /// that assigns each its part.
