@@ -205,7 +205,7 @@ pub fn replay_update(
         r.drop_unsent(info.step)
     } else {
         0
-    };
+    } + r.drop_pending(info.step);
     r.replay(info.step, frames, info.total, info.lost, &info.hash)
         .map_err(|e| e.to_string())?;
     Ok(dropped)

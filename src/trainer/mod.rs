@@ -40,9 +40,9 @@ use tracing::Instrument;
 pub struct TrainerConfig {
     /// Which data stream this trainer reads (distinct per trainer).
     pub index: u64,
-    /// Microbatches in flight at once (without `sync_steps`, a microbatch's place is taken
-    /// by the next as its last backward goes out; with it, at least one per stage and a
-    /// step's worth).
+    /// Microbatches in flight at once, at least one per stage (without `sync_steps`, a
+    /// microbatch's place is taken by the next as its last backward goes out; with it, also
+    /// at least a step's worth).
     pub concurrency: usize,
     /// Per-call timeout.
     pub call_timeout: Duration,
@@ -291,14 +291,14 @@ async fn run(
     refresher.abort();
 }
 
-/// Microbatches a trainer keeps in flight: `--concurrency`, and with synchronous steps in a
-/// pipeline at least one per stage and a step's worth (`target` samples in microbatches of
-/// `batch`), so that every stage has work and the next step's microbatches wait at stage 0
-/// while the current step's round runs.
+/// Microbatches a trainer keeps in flight: `--concurrency`, and in a pipeline at least one
+/// per stage so that every stage has work; with synchronous steps also a step's worth
+/// (`target` samples in microbatches of `batch`), so that the next step's microbatches wait
+/// at stage 0 while the current step's round runs.
 fn in_flight(cfg: &TrainerConfig, stages: usize, batch: usize, target: usize) -> usize {
-    let c = cfg.concurrency.max(1);
+    let c = cfg.concurrency.max(1).max(stages);
     if cfg.sync_steps && stages > 1 {
-        c.max(stages).max(target.div_ceil(batch.max(1)))
+        c.max(target.div_ceil(batch.max(1)))
     } else {
         c
     }
@@ -391,9 +391,13 @@ async fn microbatch(
     };
     let mut id = mb;
     let mut restarts = 0;
+    // The replica of stage 0 that admitted the last attempt: the next attempt goes there,
+    // where what the last one still holds of its step is not counted against it (another
+    // replica of stage 0 would count it, as the holder says, and could find no room).
+    let mut admitted = None;
     loop {
         let micro = Micro { id, tag: None, n };
-        match pass(ctx, micro, &x, &y, &mut permit).await {
+        match pass(ctx, micro, &x, &y, &mut permit, &mut admitted).await {
             Ok(stage0) => {
                 ctx.stats.completed.fetch_add(n, Ordering::Relaxed);
                 if ctx.stages == 1 && ctx.cfg.sync_steps {
@@ -443,13 +447,15 @@ async fn wait_for_step(ctx: &Ctx, peer: PeerId, step: u64) {
 }
 
 /// The forwards and backwards of one microbatch; the replica of stage 0 that took its
-/// backward, and the step it reported.
+/// backward, and the step it reported. `admitted`: the replica of stage 0 its forward
+/// prefers, set to the one that admitted it.
 async fn pass(
     ctx: &Ctx,
     mut micro: Micro,
     x: &Tensor,
     y: &Tensor,
     permit: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+    admitted: &mut Option<PeerId>,
 ) -> Result<Option<(PeerId, u64)>, Failure> {
     let (mb, n) = (micro.id, micro.n);
     // Synchronous microbatches of a pipeline carry their step (assigned by stage 0).
@@ -476,7 +482,13 @@ async fn pass(
     };
     for s in 0..last {
         if s + 1 == last && ctx.cfg.push {
-            match push::into_last(ctx, s, micro, &inputs[s], y, &mut owed, first).await? {
+            let lane_of = if s == 0 { *admitted } else { first };
+            let hop = push::into_last(ctx, s, micro, &inputs[s], y, &mut owed, lane_of).await;
+            if s == 0 && sync {
+                // The replica that ran stage 0's forward admitted it (or refused it).
+                *admitted = owed.by_stage[0].or(*admitted);
+            }
+            match hop? {
                 push::Hop::Done(peer, reply, step) => {
                     note(s, step, &mut micro);
                     pushed = Some((peer, reply));
@@ -495,7 +507,10 @@ async fn pass(
         }
         let input = inputs[s].clone();
         let tag = micro.tag;
-        let prefer = first.and_then(|p| call::lane(ctx, s, p));
+        let prefer = match s {
+            0 => *admitted,
+            _ => first.and_then(|p| call::lane(ctx, s, p)),
+        };
         let (peer, (out, step)) = call_stage(ctx, s, prefer, n, |peer, step| {
             let c = ctx.client.clone();
             let input = input.clone();
@@ -507,6 +522,7 @@ async fn pass(
         owed.add(s, peer);
         if s == 0 && sync {
             first = Some(peer);
+            *admitted = Some(peer);
         }
         inputs.push(out);
     }

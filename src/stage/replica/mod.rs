@@ -500,6 +500,23 @@ impl Replica {
         Ok(())
     }
 
+    /// Drops the samples accumulated toward step `step` and not frozen, before an update
+    /// of that step made without them is replayed (this replica was behind while the others
+    /// applied it): they belong to no step any more and count as dropped, instead of being
+    /// carried into the next step (where, in a synchronous run, they took the room of that
+    /// step's own microbatches). Returns them.
+    pub fn drop_pending(&mut self, step: u64) -> u64 {
+        let mut a = self.acc();
+        if a.accum_step() != step || a.count == 0 {
+            return 0;
+        }
+        let n = std::mem::take(&mut a.count);
+        a.sum = None;
+        drop(a);
+        self.samples_dropped += n;
+        n
+    }
+
     /// Drops the sum frozen for step `step` when no round took it (the replica froze it
     /// when the step's batch was full, and the others applied the step without it): its
     /// samples count as dropped. Returns them.

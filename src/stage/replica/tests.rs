@@ -162,6 +162,25 @@ fn a_frozen_sum_no_round_took_is_counted_as_dropped() -> TestResult {
     Ok(())
 }
 
+#[test]
+fn samples_pending_toward_a_step_replayed_without_them_are_dropped() -> TestResult {
+    let (cfg, mut r) = one_stage()?;
+    let (x, y) = batch(&cfg, 3, 5)?;
+    r.backward(&x, Upstream::Targets(&y), 1)?;
+    // The others applied step 1 without them: nothing of step 0's to drop.
+    assert_eq!(r.drop_pending(1), 0);
+    // Step 0 is replayed: its 3 pending samples were in no update; they go, counted.
+    assert_eq!(r.drop_pending(0), 3);
+    assert_eq!((r.accum_count(), r.samples_dropped()), (0, 3));
+    // Samples gathered for the step after a frozen one belong to that next step: kept.
+    r.backward(&x, Upstream::Targets(&y), 2)?;
+    r.freeze(0, 1000, &CodecSpec::F32)?;
+    r.backward(&x, Upstream::Targets(&y), 3)?;
+    assert_eq!(r.drop_pending(0), 0);
+    assert_eq!((r.accum_step(), r.accum_count()), (1, 3));
+    Ok(())
+}
+
 /// Sets the stage's parameters from one flat vector, in parameter order.
 fn set_params(r: &Replica, flat: &[f32]) -> TestResult {
     let mut at = 0;

@@ -269,7 +269,7 @@ async fn serve_one(
     // The permit bounds requests being read; once read, a call waits in the queue, whose
     // own cap bounds it.
     drop(permit);
-    let (req, frames, _held) = match read {
+    let (req, frames, held) = match read {
         Err(_) => {
             shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
@@ -330,7 +330,8 @@ async fn serve_one(
         }
         Op::Push => match frames.into_iter().next() {
             Some(f) => {
-                shared.inbox.put(req.mb, req.step, f);
+                // Its bytes stay charged to the pusher while the input waits here.
+                shared.inbox.put(req.mb, req.step, f, Box::new(held));
                 shared.counters.served.fetch_add(1, Ordering::Relaxed);
                 Reply {
                     header: ok(shared, 0),
