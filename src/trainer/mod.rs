@@ -40,9 +40,9 @@ use tracing::Instrument;
 pub struct TrainerConfig {
     /// Which data stream this trainer reads (distinct per trainer).
     pub index: u64,
-    /// Microbatches in flight at once, at least one per stage (without `sync_steps`, a
-    /// microbatch's place is taken by the next as its last backward goes out; with it, also
-    /// at least a step's worth).
+    /// Microbatches in flight at once (without `sync_steps`, a microbatch's place is taken
+    /// by the next as its last backward goes out; with it, at least one per stage and a
+    /// step's worth).
     pub concurrency: usize,
     /// Per-call timeout.
     pub call_timeout: Duration,
@@ -291,14 +291,15 @@ async fn run(
     refresher.abort();
 }
 
-/// Microbatches a trainer keeps in flight: `--concurrency`, and in a pipeline at least one
-/// per stage so that every stage has work; with synchronous steps also a step's worth
-/// (`target` samples in microbatches of `batch`), so that the next step's microbatches wait
-/// at stage 0 while the current step's round runs.
+/// Microbatches a trainer keeps in flight: `--concurrency`, and with synchronous steps in a
+/// pipeline at least one per stage and a step's worth (`target` samples in microbatches of
+/// `batch`), so that every stage has work and the next step's microbatches wait at stage 0
+/// while the current step's round runs. (Without synchronous steps more in flight made
+/// steps larger and fewer, not training faster: `shoal bench converge`, stop 34.)
 fn in_flight(cfg: &TrainerConfig, stages: usize, batch: usize, target: usize) -> usize {
-    let c = cfg.concurrency.max(1).max(stages);
+    let c = cfg.concurrency.max(1);
     if cfg.sync_steps && stages > 1 {
-        c.max(target.div_ceil(batch.max(1)))
+        c.max(stages).max(target.div_ceil(batch.max(1)))
     } else {
         c
     }
