@@ -3,7 +3,7 @@
 //! Transports: TCP (noise, yamux) and QUIC, or in a private swarm TCP wrapped in pnet
 //! before noise (QUIC cannot carry pnet, so it is off), plus the relay client transport in
 //! both cases. With link emulation ([`super::link`]) it is TCP only too, every socket
-//! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/1.0.0`, records validated before they are
+//! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/<wire version>`, records validated before they are
 //! stored; a peer found private serves it only through a relay, see [`super::reach`]), identify
 //! (carrying the wire version), ping, AutoNAT v2 (client and server), relay client,
 //! optional relay server, DCUtR, connection limits, and libp2p-stream for our own stage and
@@ -24,8 +24,10 @@ use libp2p::{
 };
 use std::time::Duration;
 
-/// The Kademlia protocol name of shoal swarms.
-pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/kad/1.0.0");
+/// The Kademlia protocol name of shoal swarms, versioned with the wire format (a DHT
+/// record's format changes with it: announcements are signed since version 6).
+pub const KAD_PROTOCOL: StreamProtocol =
+    StreamProtocol::new(concat!("/shoal/kad/", crate::wire_version!()));
 
 /// How long one relayed circuit may last on a `--relay-server` peer.
 pub const RELAY_CIRCUIT_DURATION: Duration = Duration::from_secs(60 * 60);

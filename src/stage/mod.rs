@@ -35,7 +35,8 @@ use libp2p::StreamProtocol;
 
 /// The stage call protocol; its version is the wire format's ([`crate::wire::msg::MSG_VERSION`]),
 /// so peers of different formats never open a stream to each other.
-pub const STAGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/stage/5");
+pub const STAGE_PROTOCOL: StreamProtocol =
+    StreamProtocol::new(concat!("/shoal/stage/", crate::wire_version!()));
 
 #[cfg(test)]
 mod tests {
@@ -45,7 +46,7 @@ mod tests {
         assert_eq!(
             name.rsplit('/').next(),
             Some(crate::wire::msg::MSG_VERSION.to_string().as_str()),
-            "bump STAGE_PROTOCOL with MSG_VERSION"
+            "STAGE_PROTOCOL is built from the wire version"
         );
     }
 }

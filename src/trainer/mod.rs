@@ -247,15 +247,19 @@ async fn run(
 ) {
     // The replicas and their steps before the first microbatch.
     refresh::refresh(&ctx).await;
-    let refresher = {
+    // In a set, so that it ends with this loop also when the loop is aborted
+    // ([`Trainer::stop_within`]): a dropped `JoinSet` aborts its tasks, a dropped
+    // `JoinHandle` would leave it querying the DHT for ever.
+    let mut refresher = tokio::task::JoinSet::new();
+    {
         let ctx = Arc::clone(&ctx);
-        tokio::spawn(tracing::Instrument::in_current_span(async move {
+        refresher.spawn(tracing::Instrument::in_current_span(async move {
             loop {
                 tokio::time::sleep(ctx.cfg.refresh).await;
                 refresh::refresh(&ctx).await;
             }
-        }))
-    };
+        }));
+    }
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
     let sem = Arc::new(Semaphore::new(in_flight(
         &ctx.cfg, ctx.stages, batch, ctx.target,
@@ -288,7 +292,7 @@ async fn run(
     }
     // Every microbatch to its end (a permit may be given back before it).
     while tasks.join_next().await.is_some() {}
-    refresher.abort();
+    refresher.abort_all();
 }
 
 /// Microbatches a trainer keeps in flight: `--concurrency`, and with synchronous steps in a

@@ -16,8 +16,18 @@ use serde::{Deserialize, Serialize};
 /// Largest header a reader accepts.
 pub const MAX_HEADER: usize = 64 << 10;
 
+/// The wire version as a literal: the one place it is written. Every protocol name
+/// (`/shoal/stage/N`, `/shoal/kad/N`, identify's `/shoal/wire/N`) and [`MSG_VERSION`] are
+/// built from it, so they change together.
+#[macro_export]
+macro_rules! wire_version {
+    () => {
+        6
+    };
+}
+
 /// The version of this message format.
-pub const MSG_VERSION: u8 = 5;
+pub const MSG_VERSION: u8 = crate::wire_version!();
 
 /// Most tensor frames one message may carry.
 pub const MAX_TENSORS: u8 = 8;
