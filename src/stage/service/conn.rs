@@ -3,6 +3,7 @@
 //! checked (dtype, shape, the run's limits) before its payload is read; hand it to the
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
+use super::budget::Held;
 use super::{lock, push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
 use crate::net::io::{self as netio, IoError};
 use crate::stage::sync;
@@ -21,45 +22,6 @@ enum Read {
     Refused(Reply),
 }
 
-/// Frame bytes of one request counted against its caller's budget while it lives.
-struct Held {
-    shared: Arc<Shared>,
-    peer: PeerId,
-    bytes: u64,
-}
-
-impl Held {
-    /// Adds `bytes` if the caller's total stays within the budget.
-    fn take(&mut self, bytes: u64) -> bool {
-        let mut m = lock(&self.shared.held);
-        let total = m.entry(self.peer).or_default();
-        if total.saturating_add(bytes) > self.shared.peer_budget {
-            if *total == 0 {
-                m.remove(&self.peer);
-            }
-            return false;
-        }
-        *total += bytes;
-        self.bytes += bytes;
-        true
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        if self.bytes == 0 {
-            return;
-        }
-        let mut m = lock(&self.shared.held);
-        if let Some(t) = m.get_mut(&self.peer) {
-            *t = t.saturating_sub(self.bytes);
-            if *t == 0 {
-                m.remove(&self.peer);
-            }
-        }
-    }
-}
-
 /// Reads a request: its header, which is checked (run, stage, step, tensor count) before
 /// any frame is read; then each frame, whose header is checked against what the request
 /// kind carries in this run before its payload is read.
@@ -76,11 +38,7 @@ async fn read_request(
     }
     let wants = shared.expect.wants_of(&req);
     let mut frames = Vec::with_capacity(req.tensors as usize);
-    let mut held = Held {
-        shared: Arc::clone(shared),
-        peer,
-        bytes: 0,
-    };
+    let mut held = Held::new(shared, peer);
     for i in 0..req.tensors as usize {
         let want = wants.get(i).copied();
         let mut over = false;
@@ -328,6 +286,17 @@ async fn serve_one(
         Op::Avg | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate => {
             extension(shared, peer, req, frames).await
         }
+        Op::Push if !accepts_push_from(shared, peer).await => refusal(
+            shared,
+            ErrorKind::BadRequest,
+            match shared.stage {
+                0 => "stage 0 takes no pushed inputs".to_string(),
+                s => format!(
+                    "pushes are taken only from announced replicas of stage {}",
+                    s - 1
+                ),
+            },
+        ),
         Op::Push => match frames.into_iter().next() {
             Some(f) => {
                 // Its bytes stay charged to the pusher while the input waits here.
@@ -391,6 +360,16 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         && !req.dry
         && req.step.saturating_add(MAX_CALLER_LAG) < step
     {
+        // A synchronous microbatch's step closed long ago here: its trainer starts it
+        // again in the step open now (a stale-step refusal would only send it to the other
+        // replicas, which are past it too, until it failed).
+        if req.sync {
+            return Some(refusal(
+                shared,
+                ErrorKind::StepClosed,
+                sync::closed_message(req.step, step, step),
+            ));
+        }
         return Some(refusal(
             shared,
             ErrorKind::StaleStep,
@@ -421,6 +400,14 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         ));
     }
     None
+}
+
+/// Whether `peer` may push inputs here: an announced replica of the stage before.
+async fn accepts_push_from(shared: &Shared, peer: PeerId) -> bool {
+    match shared.stage.checked_sub(1) {
+        Some(before) => shared.neighbours.serves(peer, before as usize).await,
+        None => false,
+    }
 }
 
 /// A forward or backward: its pushed input awaited when it has one, computed, and its
@@ -468,6 +455,12 @@ async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>
     }
     if let Some(f) = reply.frames.first() {
         let next = stage as usize + 1;
+        // Only to an announced replica of the next stage (the caller names it): otherwise
+        // the output goes back in the answer.
+        if !shared.neighbours.serves(to, next).await {
+            tracing::debug!(%to, "not pushing microbatch {mb}: not an announced replica of stage {next}");
+            return reply;
+        }
         match shared.pusher.push(to, next, step, mb, f).await {
             Ok(()) => {
                 reply.frames.clear();

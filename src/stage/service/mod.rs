@@ -16,9 +16,11 @@
 //! Averaging messages and state download are not answered here: the averaging layer
 //! registers an [`Extension`] that answers them (`crate::averaging::server`).
 
+mod budget;
 mod conn;
 pub mod counters;
 pub mod expect;
+pub mod neighbours;
 pub mod push;
 mod worker;
 
@@ -172,6 +174,8 @@ struct Shared {
     inbox: push::Inbox,
     /// Sends this replica's forward outputs on to the next stage when asked to.
     pusher: super::client::StageClient,
+    /// The announced stages of the peers pushes go to and come from.
+    neighbours: neighbours::Neighbours,
     /// The run's target batch (synchronous admission at stage 0).
     target: u64,
     /// What the stage's other replicas hold toward this one's step, from the averager.
@@ -281,6 +285,7 @@ impl StageService {
                 manifest.config.codecs.activations,
             )
             .with_timeout(push::SEND_TIMEOUT),
+            neighbours: neighbours::Neighbours::new(net.clone(), manifest.id.clone()),
             target: manifest.config.target_batch_size() as u64,
             others: Mutex::new(super::sync::Others::default()),
             sync_changed: Notify::new(),
