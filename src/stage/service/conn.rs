@@ -360,10 +360,12 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         && !req.dry
         && req.step.saturating_add(MAX_CALLER_LAG) < step
     {
-        // A synchronous microbatch's step closed long ago here: its trainer starts it
-        // again in the step open now (a stale-step refusal would only send it to the other
-        // replicas, which are past it too, until it failed).
-        if req.sync {
+        // A synchronous microbatch's step (assigned by stage 0: not a first forward there,
+        // nor a pushed call, whose step comes with its input) closed long ago here: its
+        // trainer starts it again in the step open now (a stale-step refusal would only
+        // send it to the other replicas, which are past it too, until it failed).
+        let assigned = !req.pushed && (shared.stage != 0 || req.op == Op::Backward);
+        if req.sync && assigned {
             return Some(refusal(
                 shared,
                 ErrorKind::StepClosed,
