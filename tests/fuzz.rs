@@ -85,6 +85,7 @@ fn avg_msgs() -> Vec<AvgMsg> {
             uplink: 1000,
             owed: 0,
             lost: 3,
+            ahead: 1,
         },
         AvgMsg::Members {
             step: 4,

@@ -312,6 +312,8 @@ impl State {
             || (changed && since >= Duration::from_millis(100))
             || since >= self.cfg.heartbeat
         {
+            let mine = View::of(st, Instant::now());
+            let lost = plan::seen_lost(&self.input(&mine), mine.at, &self.cfg);
             let msg = AvgMsg::Progress {
                 params_step: st.params_step,
                 accum_step: st.accum_step,
@@ -320,10 +322,8 @@ impl State {
                 hash: st.params_hash.clone(),
                 uplink: self.stats.uplink.load(Ordering::Relaxed),
                 owed: st.owed_count,
-                lost: {
-                    let mine = View::of(st, Instant::now());
-                    plan::seen_lost(&self.input(&mine), Instant::now(), &self.cfg)
-                },
+                lost,
+                ahead: u64::from(self.service.held_ahead()),
             };
             for p in self.others() {
                 self.send(p, msg.clone());
@@ -463,6 +463,7 @@ impl State {
             ready_since: self.timers.ready_since,
             short_since: self.timers.short_since,
             left_lost: self.left_lost,
+            ahead: u64::from(self.service.held_ahead()),
         }
     }
 
@@ -550,6 +551,7 @@ impl State {
                 uplink,
                 owed,
                 lost,
+                ahead,
             } => {
                 self.views.insert(
                     from,
@@ -562,6 +564,7 @@ impl State {
                         uplink,
                         owed,
                         lost,
+                        ahead,
                         at: Instant::now(),
                     },
                 );

@@ -28,6 +28,8 @@ pub struct View {
     pub owed: u64,
     /// Samples of `params_step`'s batch it saw die or leave with other replicas.
     pub lost: u64,
+    /// Synchronous calls held there for a step after `params_step`.
+    pub ahead: u64,
     /// When it was heard.
     pub at: Instant,
 }
@@ -44,6 +46,7 @@ impl View {
             uplink: 0,
             owed: st.owed_count,
             lost: 0,
+            ahead: 0,
             at,
         }
     }
@@ -102,8 +105,11 @@ pub struct Input<'a> {
     /// Samples replicas said they held toward this step when they left gracefully.
     pub left_lost: u64,
     /// Since when, as leader, it has seen the step short of its batch after a replica
-    /// died or left holding part of it, and the total it saw then.
+    /// died or left holding part of it, or with calls of a later step held, and the total
+    /// it saw then.
     pub short_since: Option<(Instant, u64)>,
+    /// Synchronous calls held at this replica for a step after its own.
+    pub ahead: u64,
 }
 
 /// What to do now.
@@ -258,6 +264,11 @@ pub fn seen_lost(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> u64 {
 /// left holding part of it and no sample arriving, before it leads without the rest.
 pub const SHORT_AFTER: u32 = 5;
 
+/// How long a leader waits, with its step short of the batch, no replica gone, calls of a
+/// later step held and no sample arriving, before it leads with what the step holds:
+/// under the 15 s a held call waits, over the time a step's last microbatch takes to come.
+pub const AHEAD_AFTER: Duration = Duration::from_secs(8);
+
 /// Decides what the averager does on this tick (no round in progress).
 ///
 /// - Behind (a live replica at a later step, or the leader's hash differs at this step)
@@ -325,23 +336,32 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     let retry = mine.frozen > 0 || same.iter().any(|(_, v)| v.frozen > 0);
     // A replica's last progress message may be older than its last samples: when one died
     // or left at this step and the total has not moved for `SHORT_AFTER` heartbeats, what
-    // is missing went with it, and the step goes ahead without it.
-    let short = gone > 0 && total > 0 && total < cfg.target.max(1);
+    // is missing went with it, and the step goes ahead without it. Calls of a later step
+    // held at a replica say stage 0 has moved on (what is missing was lost some other
+    // way: dropped by a replica that fell behind and caught up): once the total has not
+    // moved for `AHEAD_AFTER`, the step goes ahead with what it holds.
+    let ahead = input.ahead > 0 || same.iter().any(|(_, v)| v.ahead > 0);
+    let short = total < cfg.target.max(1) && ((gone > 0 && total > 0) || ahead);
     timers.short_since = match input.short_since {
         Some((t, n)) if short && n == total => Some((t, n)),
         _ if short => Some((now, total)),
         _ => None,
     };
+    let wait = if gone > 0 {
+        cfg.heartbeat * SHORT_AFTER
+    } else {
+        AHEAD_AFTER
+    };
     let stalled = timers
         .short_since
-        .is_some_and(|(t, _)| now.saturating_duration_since(t) >= cfg.heartbeat * SHORT_AFTER);
-    if total
-        < if retry || stalled {
-            1
-        } else {
-            cfg.target.max(1)
-        }
-    {
+        .is_some_and(|(t, _)| now.saturating_duration_since(t) >= wait);
+    // Stalled, it goes ahead even empty: the step must close for the next to open.
+    let need = match (stalled, retry) {
+        (true, _) => 0,
+        (false, true) => 1,
+        (false, false) => cfg.target.max(1),
+    };
+    if total < need {
         timers.ready_since = None;
         return (Decision::Wait, timers);
     }

@@ -18,6 +18,7 @@ fn view(step: u64, count: u64, hash: &str, at: Instant) -> View {
     View {
         owed: 0,
         lost: 0,
+        ahead: 0,
         params_step: step,
         accum_step: step,
         count,
@@ -37,6 +38,7 @@ struct World {
     timers: Timers,
     looked_up: bool,
     left_lost: u64,
+    ahead: u64,
 }
 
 impl World {
@@ -50,6 +52,7 @@ impl World {
             timers: Timers::default(),
             looked_up: true,
             left_lost: 0,
+            ahead: 0,
         }
     }
 
@@ -73,6 +76,7 @@ impl World {
             ready_since: self.timers.ready_since,
             short_since: self.timers.short_since,
             left_lost: self.left_lost,
+            ahead: self.ahead,
         }
     }
 
@@ -207,6 +211,48 @@ fn samples_that_died_or_left_with_a_replica_count_toward_its_step() {
     inp.hear(p[2], view(3, 12, "h", now - c.live_timeout - ms(1)));
     inp.left_lost = 1;
     assert_eq!(seen_lost(&inp.input(), now, &c), 13);
+}
+
+#[test]
+fn a_step_stage_0_moved_on_from_goes_ahead_with_what_it_holds() {
+    // Stage 0 opened the next step (calls of it are held at the other replica), but this
+    // stage's step holds 16 of 32 samples: the rest were lost some other way.
+    let c = cfg(32);
+    let t0 = Instant::now();
+    let now = t0 + ms(20_000);
+    let p = peers(2);
+    let mut w = World::new(p[0], view(3, 16, "h", now), t0);
+    // The other replica, heard at `at`, holding `ahead` calls of a later step.
+    let other = |at: Instant, ahead: u64| View {
+        ahead,
+        ..view(3, 0, "h", at)
+    };
+    // Nothing held for a later step: it waits however long.
+    for k in 0..4 {
+        let t = now + AHEAD_AFTER * k;
+        w.hear(p[1], other(t, 0));
+        assert_eq!(w.decide(t, &c), Decision::Wait);
+    }
+    // Calls of step 4 held there: the step goes ahead once no sample came for AHEAD_AFTER.
+    let t = now + AHEAD_AFTER * 4;
+    w.hear(p[1], other(t, 1));
+    assert_eq!(w.decide(t, &c), Decision::Wait);
+    let late = t + AHEAD_AFTER - ms(1);
+    w.hear(p[1], other(late, 1));
+    assert_eq!(w.decide(late, &c), Decision::Wait);
+    w.hear(p[1], other(t + AHEAD_AFTER, 1));
+    match w.decide(t + AHEAD_AFTER, &c) {
+        Decision::Lead { held, lost, .. } => assert_eq!((held, lost), (vec![16, 0], 0)),
+        d => panic!("expected a round, got {d:?}"),
+    }
+    // Held here, with nothing at all in the step (a single replica): it goes ahead empty.
+    let mut w = World::new(p[0], view(3, 0, "h", now), t0);
+    w.ahead = 2;
+    assert_eq!(w.decide(now, &c), Decision::Wait);
+    assert!(matches!(
+        w.decide(now + AHEAD_AFTER, &c),
+        Decision::Lead { .. }
+    ));
 }
 
 #[test]

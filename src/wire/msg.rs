@@ -103,6 +103,10 @@ pub enum AvgMsg {
         /// toward the batch, which otherwise never fills).
         #[serde(default)]
         lost: u64,
+        /// Synchronous calls held at the sender for a step after `params_step`: stage 0
+        /// moved on, so no more microbatches of `params_step` are coming.
+        #[serde(default)]
+        ahead: u64,
     },
     /// From the round's leader: the members of an attempt at averaging `step`, in the order
     /// that assigns each its part.

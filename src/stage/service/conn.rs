@@ -443,7 +443,7 @@ async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>
         _ => false,
     };
     if req.sync && !req.dry && held {
-        if let Err(r) = hold_for_step(shared, &mut req, &frames).await {
+        if let Err(r) = super::hold::hold_for_step(shared, &mut req, &frames).await {
             return r;
         }
     }
@@ -472,97 +472,6 @@ async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>
         }
     }
     reply
-}
-
-/// Longest a synchronous call is held for its step before it is refused `overloaded`.
-const HOLD_LIMIT: Duration = Duration::from_secs(15);
-
-/// Holds a synchronous call until its step is open here: on stage 0 (a forward), until the step
-/// accumulated now has room for it ([`sync::admits`]), which assigns the microbatch that
-/// step (`req.step`) and counts its samples as owed; elsewhere, until the microbatch's step
-/// is open here, refused `step_closed` once this replica closed it (the compute thread
-/// also refuses what finds its step closed).
-async fn hold_for_step(
-    shared: &Arc<Shared>,
-    req: &mut Request,
-    frames: &[Vec<u8>],
-) -> Result<(), Reply> {
-    let samples = frames
-        .first()
-        .and_then(|f| crate::wire::parse_header(f, &shared.cfg.limits).ok())
-        .and_then(|(h, _)| h.shape.first().copied())
-        .unwrap_or(1) as u64;
-    let started = Instant::now();
-    // Since when the step it may join has been open (a share is waited for from then, not
-    // from the forward's arrival: held across a step, it would take more than its share the
-    // moment the step opens, before the other replicas' progress could say what they took).
-    let mut open_since: Option<(u64, Instant)> = None;
-    loop {
-        let wake = shared.sync_changed.notified();
-        {
-            let now = Instant::now();
-            let mut acc = lock(&shared.accum);
-            let s = acc.params_step;
-            if shared.stage != 0 {
-                // Its step open here: computed now. Closed here (one microbatch more than
-                // the step took, in a race): refused, and started again in a later step. So
-                // every stage closes a step on the microbatches stage 0 gave it.
-                if s == req.step && acc.accum_step() == s {
-                    return Ok(());
-                }
-                if s > req.step || acc.accum_step() > req.step {
-                    let msg = sync::closed_message(req.step, s, acc.accum_step());
-                    drop(acc);
-                    return Err(refusal(shared, ErrorKind::StepClosed, msg));
-                }
-            } else if acc.accum_step() == s {
-                let since = match open_since {
-                    Some((step, t)) if step == s => t,
-                    _ => {
-                        open_since = Some((s, now));
-                        now
-                    }
-                };
-                let others = *lock(&shared.others);
-                let room = sync::Room {
-                    target: shared.target,
-                    own: acc.count + acc.owed.at_except(s, now, req.mb),
-                    others: if others.step == s {
-                        others
-                    } else {
-                        sync::Others::default()
-                    },
-                    samples,
-                    waited: now.saturating_duration_since(since),
-                };
-                if sync::admits(&room) {
-                    tracing::debug!(mb = req.mb, step = s, ?room, "admitted");
-                    acc.owed.prune(s, now);
-                    acc.owed.add(req.mb, s, samples, now);
-                    req.step = s;
-                    drop(acc);
-                    // The others hear of the room taken with the next progress.
-                    shared.progress.notify_one();
-                    return Ok(());
-                }
-            }
-        }
-        if started.elapsed() >= HOLD_LIMIT {
-            tracing::debug!(mb = req.mb, step = req.step, "held past the limit");
-            return Err(refusal(
-                shared,
-                ErrorKind::Overloaded,
-                format!(
-                    "no step had room for this microbatch within {} s",
-                    HOLD_LIMIT.as_secs()
-                ),
-            ));
-        }
-        tokio::select! {
-            _ = wake => {}
-            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-        }
-    }
 }
 
 /// Hands a call to the registered extension (the averaging layer).

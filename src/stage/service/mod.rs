@@ -20,6 +20,7 @@ mod budget;
 mod conn;
 pub mod counters;
 pub mod expect;
+mod hold;
 pub mod neighbours;
 pub mod push;
 mod worker;
@@ -183,6 +184,9 @@ struct Shared {
     /// Woken when the step, the accumulator or `others` change: synchronous calls held for
     /// a step look again.
     sync_changed: Notify,
+    /// Synchronous calls held here for a step after this replica's (a later stage's sign
+    /// that stage 0 has moved on).
+    held_ahead: AtomicU32,
 }
 
 impl Shared {
@@ -289,6 +293,7 @@ impl StageService {
             target: manifest.config.target_batch_size() as u64,
             others: Mutex::new(super::sync::Others::default()),
             sync_changed: Notify::new(),
+            held_ahead: AtomicU32::new(0),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
@@ -357,6 +362,12 @@ impl StageService {
     /// ([`ServiceConfig::max_bytes_per_peer`]).
     pub fn held_bytes(&self, peer: &PeerId) -> u64 {
         lock(&self.shared.held).get(peer).copied().unwrap_or(0)
+    }
+
+    /// Synchronous calls held now for a step after this replica's: stage 0 has opened a
+    /// later step, so no more microbatches of this replica's step are coming from it.
+    pub fn held_ahead(&self) -> u32 {
+        self.shared.held_ahead.load(Ordering::Relaxed)
     }
 
     /// Queue capacity.
