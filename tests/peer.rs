@@ -1003,6 +1003,19 @@ async fn a_forward_pushes_its_output_to_the_next_stage_or_answers_with_it() {
         back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
         a2.flatten_all().unwrap().to_vec1::<f32>().unwrap()
     );
+    // Pushes go only to an announced replica of the next stage: not to stage 0's.
+    let (out, _) = sc
+        .forward_pushing(ids[1], 1, 0, 4, &a1, ids[0])
+        .await
+        .unwrap();
+    assert!(out.is_some(), "no push to a replica of another stage");
+    // And are taken only from an announced replica of the stage before: not from a client.
+    let frame = shoal::stage::tensor::encode(&a2, &CodecSpec::F32).unwrap();
+    let e = sc.push(ids[2], 2, 0, 5, &frame).await.unwrap_err();
+    assert_eq!(e.kind(), Some(ErrorKind::BadRequest), "{e}");
+    // Nor at stage 0, which has no stage before.
+    let e = sc.push(ids[0], 0, 0, 6, &frame).await.unwrap_err();
+    assert!(e.kind().is_some(), "{e}");
     for p in peers {
         p.stop().await.unwrap();
     }
