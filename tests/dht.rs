@@ -127,7 +127,7 @@ fn announcements_validate_and_expire() {
     let extra = String::from_utf8(a.to_bytes())
         .unwrap()
         .replacen('{', "{\"evil\":1,", 1);
-    let extra = signed_payload(&key, extra.into_bytes());
+    let extra = signed_payload(&key, "shoal-announcement", extra.into_bytes());
     assert!(matches!(
         Announcement::from_bytes(&extra, &me, now),
         Err(RecordError::Malformed(_))
@@ -141,16 +141,12 @@ fn announcements_validate_and_expire() {
     assert!(!record::is_provider_key(b"/shoal/stage/zz/1"));
 }
 
-/// `payload` in an announcement envelope signed with `key`.
-fn signed_payload(key: &Keypair, payload: Vec<u8>) -> Vec<u8> {
-    libp2p::core::SignedEnvelope::new(
-        key,
-        "shoal-announcement".into(),
-        b"/shoal/ann/2".to_vec(),
-        payload,
-    )
-    .unwrap()
-    .into_protobuf_encoding()
+/// `payload` in an envelope of an announcement's payload type, signed with `key` for
+/// `domain` (announcements use "shoal-announcement").
+fn signed_payload(key: &Keypair, domain: &str, payload: Vec<u8>) -> Vec<u8> {
+    libp2p::core::SignedEnvelope::new(key, domain.into(), b"/shoal/ann/2".to_vec(), payload)
+        .unwrap()
+        .into_protobuf_encoding()
 }
 
 #[test]
@@ -195,14 +191,7 @@ fn forged_announcement_with_a_tampered_field_is_rejected() {
         Err(RecordError::Forged(_))
     ));
     // A different payload type or domain is not an announcement.
-    let other = libp2p::core::SignedEnvelope::new(
-        &key,
-        "other".into(),
-        b"/shoal/ann/2".to_vec(),
-        a.to_bytes(),
-    )
-    .unwrap()
-    .into_protobuf_encoding();
+    let other = signed_payload(&key, "other", a.to_bytes());
     assert!(matches!(
         Announcement::from_bytes(&other, &me, now),
         Err(RecordError::Forged(_))

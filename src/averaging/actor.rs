@@ -313,7 +313,7 @@ impl State {
             || since >= self.cfg.heartbeat
         {
             let mine = View::of(st, Instant::now());
-            let lost = plan::seen_lost(&self.input(&mine), mine.at, &self.cfg);
+            let input = self.input(&mine);
             let msg = AvgMsg::Progress {
                 params_step: st.params_step,
                 accum_step: st.accum_step,
@@ -322,8 +322,8 @@ impl State {
                 hash: st.params_hash.clone(),
                 uplink: self.stats.uplink.load(Ordering::Relaxed),
                 owed: st.owed_count,
-                lost,
-                ahead: u64::from(self.service.held_ahead()),
+                lost: plan::seen_lost(&input, mine.at, &self.cfg),
+                ahead: input.ahead,
             };
             for p in self.others() {
                 self.send(p, msg.clone());

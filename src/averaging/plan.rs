@@ -341,7 +341,7 @@ pub fn decide(input: &Input<'_>, now: Instant, cfg: &AveragerConfig) -> (Decisio
     // way: dropped by a replica that fell behind and caught up): once the total has not
     // moved for `AHEAD_AFTER`, the step goes ahead with what it holds.
     let ahead = input.ahead > 0 || same.iter().any(|(_, v)| v.ahead > 0);
-    let short = total < cfg.target.max(1) && ((gone > 0 && total > 0) || ahead);
+    let short = total < cfg.target.max(1) && (gone > 0 || ahead);
     timers.short_since = match input.short_since {
         Some((t, n)) if short && n == total => Some((t, n)),
         _ if short => Some((now, total)),

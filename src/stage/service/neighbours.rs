@@ -9,6 +9,7 @@
 //! announcement is looked up again after [`RETRY`]. A refused push costs nothing but a
 //! hop: the forward answers with its output and the trainer sends it on itself.
 
+use super::lock;
 use crate::net::NetHandle;
 use crate::stage::registry;
 use libp2p::PeerId;
@@ -67,7 +68,7 @@ impl Neighbours {
     /// Whether `peer` is an announced replica of `stage` in this run.
     pub async fn serves(&self, peer: PeerId, stage: usize) -> bool {
         let want = stage as u32;
-        let entry = self.seen.lock().ok().and_then(|m| m.get(&peer).copied());
+        let entry = lock(&self.seen).get(&peer).copied();
         if let Some(answer) = cached(entry, want, Instant::now()) {
             return answer;
         }
@@ -75,12 +76,11 @@ impl Neighbours {
             .await
             .filter(|a| a.run == self.run)
             .map(|a| a.stage);
-        if let Ok(mut m) = self.seen.lock() {
-            if m.len() >= REMEMBERED {
-                m.clear();
-            }
-            m.insert(peer, (announced, Instant::now()));
+        let mut m = lock(&self.seen);
+        if m.len() >= REMEMBERED {
+            m.clear();
         }
+        m.insert(peer, (announced, Instant::now()));
         announced == Some(want)
     }
 }
