@@ -41,6 +41,32 @@ pub fn bench_transfer(
     Ok(ExitCode::SUCCESS)
 }
 
+pub fn bench_streams(
+    connections: usize,
+    at_once: usize,
+    bursts: usize,
+    json: Option<PathBuf>,
+) -> Result<ExitCode> {
+    let cfg = shoal::bench::streams::StreamsBenchConfig {
+        connections,
+        at_once,
+        bursts,
+        ..Default::default()
+    };
+    println!(
+        "streams benchmark: {bursts} bursts of {connections} callers × {at_once} calls at once, each on a fresh stream, at one stage-0 replica (tiny model, queue of 8) on 127.0.0.1"
+    );
+    let rt = runtime()?;
+    let report = rt.block_on(shoal::bench::streams::run(&cfg))?;
+    print!("{}", shoal::bench::streams::table(&report));
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&[&report])?;
+        shoal::files::write_atomic(&path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub fn demo(
     stages: usize,
     replicas: usize,

@@ -185,6 +185,22 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Bursts of concurrent calls, each on a fresh stream, at one replica: how many
+    /// streams were answered, answered `overloaded`, or dropped.
+    Streams {
+        /// Callers, each with its own connection.
+        #[arg(long, default_value_t = 8)]
+        connections: usize,
+        /// Calls each caller has in flight at once.
+        #[arg(long, default_value_t = 32)]
+        at_once: usize,
+        /// Bursts, one after another.
+        #[arg(long, default_value_t = 5)]
+        bursts: usize,
+        /// Also write the report as JSON to this file.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
     /// Encode+decode speed, compression ratio and error of every tensor codec.
     Codec {
         /// Elements in the N(0, 1) test tensor.
@@ -498,6 +514,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     json,
                 },
         } => bench_cmds::bench_stage(&config, stage, &device, &dtypes, batch, seconds, json),
+        Command::Bench {
+            which:
+                BenchCommand::Streams {
+                    connections,
+                    at_once,
+                    bursts,
+                    json,
+                },
+        } => bench_cmds::bench_streams(connections, at_once, bursts, json),
         Command::Bench {
             which:
                 BenchCommand::Transfer {

@@ -1,4 +1,5 @@
-//! Reachability on 127.0.0.1: peers of another wire version are refused on both sides with
+//! Streams and reachability on 127.0.0.1: a burst of streams past what a lane holds is
+//! answered by its overflow answer, none dropped; peers of another wire version are refused on both sides with
 //! a one-line reason; AutoNAT confirms a joiner's address; a
 //! joiner whose bootstrap peer is refused gets that reason, not a decode error; a peer
 //! that started apart from its bootstrap list's other peers joins them into one DHT.
@@ -218,4 +219,93 @@ async fn a_peer_that_started_apart_joins_the_dht_through_its_bootstrap_list() {
     for p in [a, b, c] {
         p.stop().await.unwrap();
     }
+}
+
+const BURST: libp2p::StreamProtocol = libp2p::StreamProtocol::new("/shoal/test/burst/1");
+
+/// Opens `n` streams of [`BURST`] to `to` at once; what each read back before it closed.
+async fn burst(from: &NetHandle, to: libp2p::PeerId, n: usize) -> Vec<Result<Vec<u8>, String>> {
+    use futures::AsyncReadExt;
+    let calls = (0..n).map(|_| async {
+        let mut s = from
+            .open_stream(to, BURST)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.map_err(|e| e.to_string())?;
+        Ok(got)
+    });
+    futures::future::join_all(calls).await
+}
+
+#[tokio::test]
+async fn streams_past_a_full_lane_get_its_overflow_answer_and_none_is_dropped() {
+    use futures::{AsyncWriteExt, StreamExt};
+    let server = node(MSG_VERSION);
+    let a = addr(&server).await;
+    let overflow: net::streams::Overflow = std::sync::Arc::new(|_, mut s| {
+        Box::pin(async move {
+            let _ = s.write_all(b"busy").await;
+            let _ = s.close().await;
+        })
+    });
+    let lane = net::streams::Lane {
+        capacity: 4,
+        per_connection: 2,
+        overflow: Some(overflow),
+    };
+    let mut incoming = server.accept_with(BURST, lane).unwrap();
+    let (c1, c2) = (node(MSG_VERSION), node(MSG_VERSION));
+    let to = c1.dial(a.clone()).await.unwrap();
+    c2.dial(a).await.unwrap();
+    // Nothing takes streams from the lane yet: each connection may park 2 there, the rest
+    // of its 20 are answered "busy" by the lane at once, concurrently negotiated.
+    let (r1, r2) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(3), burst(&c1, to, 20)),
+        tokio::time::timeout(Duration::from_secs(3), burst(&c2, to, 20)),
+    );
+    // The parked streams are still waiting for an answer, so both bursts time out; count
+    // what the lane did instead.
+    assert!(
+        r1.is_err() && r2.is_err(),
+        "parked streams cannot have been answered"
+    );
+    let counts = server.stream_counts(&BURST);
+    assert_eq!(counts.accepted, 4, "{counts:?}");
+    assert_eq!(counts.overflowed, 36, "{counts:?}");
+    assert_eq!(counts.dropped, 0, "{counts:?}");
+    // The server takes the parked streams (their callers gave up: answering may fail).
+    for _ in 0..4 {
+        let (_, mut s) = incoming.next().await.unwrap();
+        let _ = s.write_all(b"ok").await;
+    }
+    // With the lane served, a new burst is answered in full, from the server or the lane.
+    let server_task = tokio::spawn(async move {
+        while let Some((_, mut s)) = incoming.next().await {
+            let _ = s.write_all(b"ok").await;
+            let _ = s.close().await;
+        }
+    });
+    let got = burst(&c1, to, 64).await;
+    let ok = got
+        .iter()
+        .filter(|r| r.as_deref() == Ok(b"ok".as_slice()))
+        .count();
+    let busy = got
+        .iter()
+        .filter(|r| r.as_deref() == Ok(b"busy".as_slice()))
+        .count();
+    assert_eq!(ok + busy, 64, "every stream heard back: {got:?}");
+    assert_eq!(server.stream_counts(&BURST).dropped, 0);
+    server_task.abort();
+}
+
+#[tokio::test]
+async fn a_stream_to_an_unaccepted_protocol_fails_to_open_with_a_reason() {
+    let server = node(MSG_VERSION);
+    let a = addr(&server).await;
+    let c = node(MSG_VERSION);
+    let to = c.dial(a).await.unwrap();
+    let e = c.open_stream(to, BURST).await.unwrap_err().to_string();
+    assert!(e.contains("does not speak /shoal/test/burst/1"), "{e}");
 }

@@ -1,5 +1,5 @@
 //! Benchmarks that print tables and run in one process: `shoal bench codec`,
-//! `shoal bench transfer`, `shoal bench allreduce` and `shoal bench stage`. (`shoal bench swarm` starts `shoal`
+//! `shoal bench transfer`, `shoal bench allreduce`, `shoal bench stage` and `shoal bench streams`. (`shoal bench swarm` starts `shoal`
 //! processes, so it lives in the binary's harness, not here.)
 //!
 //! A benchmark measures and reports; it never asserts a speed (tests do not fail on timing).
@@ -7,4 +7,5 @@
 pub mod allreduce;
 pub mod codec;
 pub mod stage;
+pub mod streams;
 pub mod transfer;

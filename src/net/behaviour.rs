@@ -6,8 +6,8 @@
 //! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/<wire version>`, records validated before they are
 //! stored; a peer found private serves it only through a relay, see [`super::reach`]), identify
 //! (carrying the wire version), ping, AutoNAT v2 (client and server), relay client,
-//! optional relay server, DCUtR, connection limits, and libp2p-stream for our own stage and
-//! transfer protocols.
+//! optional relay server, DCUtR, connection limits, and [`super::streams`] for our own stage
+//! and transfer protocols.
 
 use super::link::{Shaped, SharedLink};
 use super::{NetConfig, NetError};
@@ -56,7 +56,7 @@ pub struct Behaviour {
     /// Upgrades relayed connections to direct ones by hole punching.
     pub dcutr: dcutr::Behaviour,
     /// Raw streams for stage calls and bulk transfers.
-    pub stream: libp2p_stream::Behaviour,
+    pub stream: super::streams::Behaviour,
     /// Addresses of peers we were told about ([`super::NetHandle::add_addresses`]: from
     /// announcements), so a stream to a peer not connected yet can dial it.
     pub addresses: peer_store::Behaviour<peer_store::memory_store::MemoryStore>,
@@ -124,7 +124,7 @@ fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetCon
         relay_client,
         relay_server: Toggle::from(relay_server),
         dcutr: dcutr::Behaviour::new(id),
-        stream: libp2p_stream::Behaviour::new(),
+        stream: super::streams::Behaviour::new(),
         // Announcements re-add addresses every refresh; a failed dial (a restarting peer)
         // does not forget one.
         addresses: peer_store::Behaviour::new(peer_store::memory_store::MemoryStore::new(

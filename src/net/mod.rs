@@ -3,7 +3,7 @@
 //! The handle is cheap to clone and talks to the task over a bounded command channel, each
 //! command answered on its own oneshot (the shape of rust-libp2p's file-sharing example).
 //! When every handle is dropped the task ends. Streams for our own protocols are opened
-//! and accepted through libp2p-stream's `Control`, which the handle carries, so bulk bytes
+//! and accepted through [`streams::Control`], which the handle carries, so bulk bytes
 //! never pass through the command channel. What this layer does not know: what a stage is,
 //! what the bytes on a stream mean (that is `stage`, with framing from `io`).
 
@@ -14,6 +14,7 @@ pub mod keys;
 pub mod link;
 mod nat;
 pub mod reach;
+pub mod streams;
 mod task;
 
 use libp2p::identity::Keypair;
@@ -157,7 +158,7 @@ pub(crate) enum Command {
 #[derive(Clone)]
 pub struct NetHandle {
     tx: mpsc::Sender<Command>,
-    control: libp2p_stream::Control,
+    control: streams::Control,
     local: PeerId,
     /// The peer's identity key: signs the records it publishes about itself.
     identity: Keypair,
@@ -366,8 +367,7 @@ impl NetHandle {
         peer: PeerId,
         protocol: StreamProtocol,
     ) -> Result<Stream, NetError> {
-        let mut control = self.control.clone();
-        control
+        self.control
             .open_stream(peer, protocol)
             .await
             .map_err(|e| NetError::Stream {
@@ -376,15 +376,27 @@ impl NetHandle {
             })
     }
 
-    /// Accepts inbound streams of `protocol` (once per protocol).
-    pub fn accept(
+    /// Accepts inbound streams of `protocol` (once per protocol) through a default lane:
+    /// a stream the server has no room for is dropped (and counted).
+    pub fn accept(&self, protocol: StreamProtocol) -> Result<streams::Incoming, NetError> {
+        self.accept_with(protocol, streams::Lane::default())
+    }
+
+    /// Accepts inbound streams of `protocol` through `lane` (its bounds and its answer to
+    /// a stream it has no room for).
+    pub fn accept_with(
         &self,
         protocol: StreamProtocol,
-    ) -> Result<libp2p_stream::IncomingStreams, NetError> {
-        let mut control = self.control.clone();
-        control
-            .accept(protocol)
+        lane: streams::Lane,
+    ) -> Result<streams::Incoming, NetError> {
+        self.control
+            .accept(protocol, lane)
             .map_err(|e| NetError::Invalid(format!("cannot accept streams: {e}")))
+    }
+
+    /// What happened to `protocol`'s inbound streams so far.
+    pub fn stream_counts(&self, protocol: &StreamProtocol) -> streams::StreamCounts {
+        self.control.counts(protocol)
     }
 
     /// Stops the network task.

@@ -155,9 +155,32 @@ fn note_refusal(shared: &Shared, peer: PeerId, kind: ErrorKind, why: &str) {
     }
 }
 
+/// The stage protocol's lane in the network layer: streams wait there for the accept loop
+/// (which takes each at once); one the lane has no room for is answered `overloaded`,
+/// unread, by the connection that negotiated it, never dropped.
+pub(super) fn lane(shared: &Arc<Shared>) -> crate::net::streams::Lane {
+    let weak = Arc::downgrade(shared);
+    let cap = shared.cfg.max_readers + shared.cfg.queue_cap;
+    crate::net::streams::Lane {
+        capacity: 4 * cap,
+        per_connection: MAX_STREAMS_PER_PEER,
+        overflow: Some(Arc::new(move |_peer, mut stream| {
+            let weak = weak.clone();
+            Box::pin(async move {
+                let Some(shared) = weak.upgrade() else {
+                    return;
+                };
+                let r = refusal(&shared, ErrorKind::Overloaded, "too many calls at once");
+                drop(shared);
+                respond(&mut stream, &r).await;
+            })
+        })),
+    }
+}
+
 /// Serves the requests of one stream, one after another, until the caller closes it,
 /// goes quiet for [`IDLE_STREAM`], or a request is refused. A caller over
-/// [`MAX_STREAMS_PER_PEER`] streams gets this one closed; a banned caller gets `banned`.
+/// [`MAX_STREAMS_PER_PEER`] streams gets `overloaded`; a banned caller gets `banned`.
 pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
     let over = {
         let mut m = lock(&shared.streams);
@@ -170,8 +193,12 @@ pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p
         peer,
     };
     if over {
-        shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-        let _ = stream.close().await;
+        let r = refusal(
+            &shared,
+            ErrorKind::Overloaded,
+            format!("you hold {MAX_STREAMS_PER_PEER} streams here already; wait for their answers"),
+        );
+        respond(&mut stream, &r).await;
         return;
     }
     loop {

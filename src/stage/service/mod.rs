@@ -301,7 +301,7 @@ impl StageService {
             .name(format!("shoal-stage-{stage}"))
             .spawn(move || worker::Worker::new(codec, worker_shared).run(rx))
             .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
-        let mut incoming = net.accept(STAGE_PROTOCOL)?;
+        let mut incoming = net.accept_with(STAGE_PROTOCOL, conn::lane(&shared))?;
         let accept_shared = Arc::clone(&shared);
         let span = tracing::info_span!("stage", index = stage);
         let accept = tokio::spawn(tracing::Instrument::instrument(
