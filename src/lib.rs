@@ -9,7 +9,8 @@
 //! - [`model`]: the decoder cut into stages; AdamW; safetensors checkpoints.
 //! - [`data`]: token sources (built-in Markov corpus, text, token shards) and sampling.
 //! - [`dht`]: run manifests (canonical TOML, run id) and stage announcements, validated.
-//! - [`net`]: the libp2p swarm in one task, a cloneable handle, keys, stream framing.
+//! - [`net`]: the libp2p swarm in one task, a cloneable handle, keys, our stream protocols'
+//!   behaviour (lanes that answer, never drop), stream framing.
 //! - [`stage`]: the replica (stage protocol server and client), `shoal status`, `shoal probe`.
 //!   The server answers forward/backward itself and hands averaging and state calls to the
 //!   [`Extension`](stage::service::Extension) the averaging layer registers.
@@ -19,12 +20,14 @@
 //! - [`swarm`]: the peer (`shoal peer`): stage, averager and trainers together, and the
 //!   typed [`Event`](swarm::events::Event)s a peer reports (the `--events` JSON lines).
 //! - [`train`]: local training of all stages in one process, through the wire codec.
-//! - [`bench`]: in-process benchmarks that print tables (`shoal bench codec|transfer|allreduce`).
+//! - [`bench`]: in-process benchmarks that print tables (`shoal bench codec|transfer|allreduce|stage|streams`).
 //! - [`files`]: atomic file writes (checkpoints, manifests, keys).
+//! - [`guard`]: whom a peer stops listening to: strikes, bans, and the checks of gradients
+//!   other replicas send (used by the stage server and the averager).
 //! - [`rng`]: the seeded generator every peer computes identically.
 //!
-//! Each module only calls the ones listed before it (`config`, `files` and `rng` are used
-//! throughout). The library never starts `shoal` processes and never reads printed text:
+//! Each module only calls the ones listed before it (`config`, `files`, `guard` and `rng`
+//! are used throughout). The library never starts `shoal` processes and never reads printed text:
 //! the harness that spawns peers for `shoal demo` and `shoal bench swarm` lives in the
 //! binary (`bin/harness/`) and reads the processes' JSON event streams.
 pub mod averaging;
@@ -33,6 +36,7 @@ pub mod config;
 pub mod data;
 pub mod dht;
 pub mod files;
+pub mod guard;
 pub mod model;
 pub mod net;
 pub mod observe;

@@ -284,8 +284,8 @@ impl State {
             st.owed_count,
             st.params_hash.clone(),
         );
-        // libp2p-stream drops inbound streams that arrive faster than they are accepted, so
-        // changes are sent at most every 100 ms.
+        // Changes are sent at most every 100 ms (not one message per microbatch to every
+        // replica), but see the exceptions below.
         let since = self.last_sent_at.elapsed();
         let changed = self.last_sent.as_ref() != Some(&now_sig);
         let stepped = self.last_sent.as_ref().map(|l| l.0) != Some(st.params_step);

@@ -48,7 +48,7 @@
 
 mod actor;
 mod exchange;
-pub mod guard;
+pub use crate::guard;
 pub mod plan;
 pub mod reduce;
 pub mod round;

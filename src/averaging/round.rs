@@ -18,8 +18,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Floats per chunk, at most.
-pub const PART_CHUNK: usize = 256 << 10;
+pub use crate::wire::msg::PART_CHUNK;
 
 /// A gradient is cut into at least this many chunks when it is large enough, so even a
 /// small stage's reduction is spread over up to this many members.

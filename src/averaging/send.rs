@@ -6,9 +6,9 @@
 
 use super::round::{Key, Layout};
 use super::AvgStats;
-use crate::stage::client::StageClient;
+use crate::stage::client::{Retry, StageClient};
 use crate::stage::frozen::EncodedSum;
-use crate::wire::msg::{AvgMsg, ErrorKind};
+use crate::wire::msg::AvgMsg;
 use crate::wire::{self, Limits};
 use futures::StreamExt;
 use libp2p::PeerId;
@@ -180,7 +180,8 @@ fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
 }
 
 /// Sends one message, retrying a round message (a lost one stalls the round until its
-/// deadline) while `live` says its attempt runs; true if it got through.
+/// deadline; [`Retry::ROUND_MESSAGE`]) while `live` says its attempt runs; true if it got
+/// through. Progress is sent once: the heartbeat repeats it.
 async fn send_one(
     client: &StageClient,
     stage: usize,
@@ -189,26 +190,22 @@ async fn send_one(
     frame: Option<&[u8]>,
     live: impl Fn() -> bool,
 ) -> bool {
-    let tries = if matches!(msg, AvgMsg::Progress { .. }) {
-        1
+    let policy = if matches!(msg, AvgMsg::Progress { .. }) {
+        Retry::ONCE
     } else {
-        8
+        Retry::ROUND_MESSAGE
     };
-    for i in 0..tries {
-        if !live() {
-            return false;
+    let sent = policy
+        .run(live, || client.send_avg(peer, stage, msg.clone(), frame))
+        .await;
+    match sent {
+        Some(Ok(())) => true,
+        Some(Err(e)) => {
+            tracing::debug!(target: "shoal::averaging", %peer, "send failed: {e}");
+            false
         }
-        match client.send_avg(peer, stage, msg.clone(), frame).await {
-            Ok(()) => return true,
-            // A part for a round that is over: sending it again cannot help.
-            Err(e) if e.kind() == Some(ErrorKind::StaleStep) => return false,
-            Err(e) => {
-                tracing::debug!(target: "shoal::averaging", %peer, try_ = i, "send failed: {e}");
-                tokio::time::sleep(Duration::from_millis((50u64 << i).min(1000))).await;
-            }
-        }
+        None => false,
     }
-    false
 }
 
 /// Sends the control outbox's messages, at most [`SENDS_IN_FLIGHT`] at once; ends when the

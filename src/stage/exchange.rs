@@ -4,7 +4,7 @@
 
 use super::client::CallError;
 use crate::net::io::{self as netio, IoError};
-use crate::wire::msg::{Op, Request, Response};
+use crate::wire::msg::{Request, Response};
 use crate::wire::Limits;
 use futures::{AsyncReadExt, AsyncWriteExt};
 
@@ -22,17 +22,6 @@ pub async fn exchange_kept(
     Option<libp2p::Stream>,
 ) {
     exchange_on(stream, req, frames, limits, Some(sending)).await
-}
-
-/// How often a request that may be sent twice is sent again when its fresh stream failed.
-pub(super) const FRESH_RETRIES: u32 = 3;
-
-/// Whether `req` may reach the replica twice: everything but averaging messages. Reads
-/// and forwards change nothing a second one would repeat, and a replica accumulates a
-/// microbatch's backward once whatever it is sent (its id is admitted once); an averaging
-/// part sent twice is refused as a duplicate, and counted against its sender.
-pub(super) fn may_resend(req: &Request) -> bool {
-    !matches!(req.op, Op::Avg)
 }
 
 /// Writes the request and reads the response concurrently on one stream, closing the

@@ -167,16 +167,8 @@ where
         last_usable = Instant::now();
         let step = ctx.stats.stage_steps[s].load(Ordering::Relaxed);
         let t0 = Instant::now();
-        let mut r = call(peer, step).await;
-        // A stream that closes without an answer is usually libp2p-stream dropping an
-        // inbound stream under a burst, not a dead replica: ask the same replica again.
-        for _ in 0..2 {
-            if !matches!(&r, Err(CallError::Io(_))) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            r = call(peer, step).await;
-        }
+        // No retry at the same replica: a failure swaps in another (below).
+        let r = call(peer, step).await;
         let secs = t0.elapsed().as_secs_f64();
         tracing::trace!(target: "shoal::trainer", stage = s, ms = secs * 1e3, "stage call");
         let pause = 'pause: {

@@ -17,12 +17,13 @@ use serde::{Deserialize, Serialize};
 pub const MAX_HEADER: usize = 64 << 10;
 
 /// The wire version as a literal: the one place it is written. Every protocol name
-/// (`/shoal/stage/N`, `/shoal/kad/N`, identify's `/shoal/wire/N`) and [`MSG_VERSION`] are
-/// built from it, so they change together.
+/// (`/shoal/stage/N`, `/shoal/avg/N`, `/shoal/state/N`, `/shoal/kad/N`, identify's
+/// `/shoal/wire/N`) and [`MSG_VERSION`] are built from it, so they change together.
+/// (7: averaging and state download on protocols of their own.)
 #[macro_export]
 macro_rules! wire_version {
     () => {
-        6
+        7
     };
 }
 
@@ -67,6 +68,9 @@ pub enum Op {
 /// Chunk hashes per [`Op::StateHashes`] page: a page stays far below [`MAX_HEADER`], and
 /// the list of a state of any size travels in as many pages as it needs.
 pub const HASH_PAGE: usize = 1024;
+
+/// Floats per chunk of an averaging part, at most (a part's chunk is one frame).
+pub const PART_CHUNK: usize = 256 << 10;
 
 /// Messages of the averaging protocol between the replicas of one stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -3,10 +3,11 @@
 //! A call writes its request while it reads the response, so a replica that refuses early
 //! (a frame over its limit, a full queue) is heard at once instead of leaving the caller
 //! blocked on a write nobody reads.
+//!
+//! - [`retry`]: the one retry policy of stage-protocol calls.
 
 pub use super::exchange::{exchange, exchange_kept};
-use super::exchange::{may_resend, FRESH_RETRIES};
-use super::{tensor, STAGE_PROTOCOL};
+use super::{tensor, Lane};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
 use crate::wire::msg::{
@@ -15,6 +16,7 @@ use crate::wire::msg::{
 use crate::wire::{CodecSpec, Limits, WireError};
 use candle_core::{Device, Tensor};
 use libp2p::PeerId;
+pub use retry::{may_resend, may_retry, Retry};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -128,8 +130,10 @@ impl ClientCounters {
     }
 }
 
-/// Streams kept open per replica after a successful call, for the next call to it.
-type Pool = std::sync::Mutex<std::collections::HashMap<PeerId, Vec<(libp2p::Stream, Instant)>>>;
+/// Streams kept open per replica and protocol after a successful call, for the next call
+/// to it on that protocol.
+type Pool =
+    std::sync::Mutex<std::collections::HashMap<(PeerId, Lane), Vec<(libp2p::Stream, Instant)>>>;
 
 /// Idle streams kept per replica.
 const POOL_CAP: usize = 64;
@@ -200,9 +204,9 @@ impl StageClient {
     }
 
     /// A kept stream to `peer`, if one is fresh enough.
-    fn pooled(&self, peer: PeerId) -> Option<libp2p::Stream> {
+    fn pooled(&self, key: (PeerId, Lane)) -> Option<libp2p::Stream> {
         let mut pool = self.pool.lock().ok()?;
-        let idle = pool.get_mut(&peer)?;
+        let idle = pool.get_mut(&key)?;
         while let Some((s, at)) = idle.pop() {
             if at.elapsed() < POOL_IDLE {
                 return Some(s);
@@ -211,9 +215,9 @@ impl StageClient {
         None
     }
 
-    fn keep(&self, peer: PeerId, stream: libp2p::Stream) {
+    fn keep(&self, key: (PeerId, Lane), stream: libp2p::Stream) {
         if let Ok(mut pool) = self.pool.lock() {
-            let idle = pool.entry(peer).or_default();
+            let idle = pool.entry(key).or_default();
             idle.retain(|(_, at)| at.elapsed() < POOL_IDLE);
             if idle.len() < POOL_CAP {
                 idle.push((stream, Instant::now()));
@@ -222,41 +226,32 @@ impl StageClient {
     }
 
     /// One exchange on a kept stream when there is one (a stale one, closed by the
-    /// server, fails at once with an I/O error and a fresh stream is used), else on a
-    /// new stream; the stream is kept again when the call succeeded.
+    /// server, fails at once with an I/O error and, for a request that may arrive twice
+    /// ([`may_resend`]), a fresh stream is used), else on a new stream; the stream is kept
+    /// again when the call succeeded.
     async fn exchange_pooled(
         &self,
         peer: PeerId,
         req: &Request,
         frames: &[&[u8]],
     ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
-        if let Some(stream) = self.pooled(peer) {
+        let lane = Lane::of(req.op);
+        let key = (peer, lane);
+        if let Some(stream) = self.pooled(key) {
             let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
-            if !matches!(r, Err(CallError::Io(_))) {
+            if !matches!(r, Err(CallError::Io(_))) || !may_resend(req) {
                 if let Some(b) = back {
-                    self.keep(peer, b);
+                    self.keep(key, b);
                 }
                 return r;
             }
         }
-        // libp2p-stream hands inbound streams to the server through a channel of one
-        // slot and drops a stream that arrives while the slot is taken (the caller sees
-        // "sending stopped by peer" or a reset): a few per replica in a demo. Such a
-        // stream was never read, so a request that may arrive twice is sent again.
-        let mut retries = if may_resend(req) { FRESH_RETRIES } else { 0 };
-        loop {
-            let stream = self.net.open_stream(peer, STAGE_PROTOCOL).await?;
-            let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
-            if let Some(b) = back {
-                self.keep(peer, b);
-            }
-            if retries == 0 || !matches!(r, Err(CallError::Io(_))) {
-                return r;
-            }
-            retries -= 1;
-            tracing::debug!(%peer, op = ?req.op, "stream dropped before an answer; sending again");
-            tokio::time::sleep(Duration::from_millis(50 * (FRESH_RETRIES - retries) as u64)).await;
+        let stream = self.net.open_stream(peer, lane.protocol()).await?;
+        let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
+        if let Some(b) = back {
+            self.keep(key, b);
         }
+        r
     }
 
     /// Bytes moved by this client and its clones.
@@ -570,3 +565,4 @@ fn finite_reply(d: tensor::Decoded, what: &str) -> Result<Tensor, CallError> {
 }
 
 mod push;
+pub mod retry;

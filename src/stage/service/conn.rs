@@ -1,4 +1,4 @@
-//! One inbound stream of the stage protocol: read each request under a timeout, its header
+//! One inbound stream of a replica protocol (stage, averaging or state; each op on its own): read each request under a timeout, its header
 //! checked (run, stage, step, tensor count) before any frame is read and each frame's header
 //! checked (dtype, shape, the run's limits) before its payload is read; hand it to the
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
@@ -6,7 +6,7 @@
 use super::budget::Held;
 use super::{lock, push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
 use crate::net::io::{self as netio, IoError};
-use crate::stage::sync;
+use crate::stage::{sync, Lane};
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
 use crate::wire::WireError;
 use futures::{AsyncReadExt, AsyncWriteExt};
@@ -27,12 +27,24 @@ enum Read {
 /// kind carries in this run before its payload is read.
 async fn read_request(
     shared: &Arc<Shared>,
-    peer: PeerId,
+    (lane, peer): (Lane, PeerId),
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> Result<Read, IoError> {
     let head = netio::read_header_after(stream, len).await?;
     let req = msg::decode_request(&head)?;
+    if Lane::of(req.op) != lane {
+        return Ok(Read::Refused(refusal(
+            shared,
+            ErrorKind::BadRequest,
+            format!(
+                "{:?} goes on {}, not {}",
+                req.op,
+                Lane::of(req.op).protocol(),
+                lane.protocol()
+            ),
+        )));
+    }
     if let Some(r) = check(shared, &req) {
         return Ok(Read::Refused(r));
     }
@@ -155,7 +167,7 @@ fn note_refusal(shared: &Shared, peer: PeerId, kind: ErrorKind, why: &str) {
     }
 }
 
-/// The stage protocol's lane in the network layer: streams wait there for the accept loop
+/// A replica protocol's lane in the network layer: streams wait there for the accept loop
 /// (which takes each at once); one the lane has no room for is answered `overloaded`,
 /// unread, by the connection that negotiated it, never dropped.
 pub(super) fn lane(shared: &Arc<Shared>) -> crate::net::streams::Lane {
@@ -181,7 +193,12 @@ pub(super) fn lane(shared: &Arc<Shared>) -> crate::net::streams::Lane {
 /// Serves the requests of one stream, one after another, until the caller closes it,
 /// goes quiet for [`IDLE_STREAM`], or a request is refused. A caller over
 /// [`MAX_STREAMS_PER_PEER`] streams gets `overloaded`; a banned caller gets `banned`.
-pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p::Stream) {
+pub(super) async fn handle(
+    shared: Arc<Shared>,
+    lane: Lane,
+    peer: PeerId,
+    mut stream: libp2p::Stream,
+) {
     let over = {
         let mut m = lock(&shared.streams);
         let n = m.entry(peer).or_default();
@@ -207,7 +224,7 @@ pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p
             Ok(Ok(())) => {}
             _ => return,
         }
-        if !serve_one(&shared, peer, &mut stream, len).await {
+        if !serve_one(&shared, (lane, peer), &mut stream, len).await {
             return;
         }
     }
@@ -217,7 +234,7 @@ pub(super) async fn handle(shared: Arc<Shared>, peer: PeerId, mut stream: libp2p
 /// another.
 async fn serve_one(
     shared: &Arc<Shared>,
-    peer: PeerId,
+    (lane, peer): (Lane, PeerId),
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> bool {
@@ -247,7 +264,7 @@ async fn serve_one(
     let t_read = Instant::now();
     let read = tokio::time::timeout(
         shared.cfg.read_timeout,
-        read_request(shared, peer, stream, len),
+        read_request(shared, (lane, peer), stream, len),
     )
     .await;
     let read_us = t_read.elapsed().as_micros() as u64;

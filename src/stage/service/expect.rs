@@ -3,8 +3,8 @@
 //! each tensor's dtype, rank and dimensions — checked on a frame's header before a byte of
 //! its payload is read.
 
-use crate::averaging::round::PART_CHUNK;
 use crate::config::RunConfig;
+use crate::wire::msg::PART_CHUNK;
 use crate::wire::msg::{Op, Request};
 use crate::wire::{DType, Header, Limits};
 

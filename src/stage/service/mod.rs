@@ -29,7 +29,7 @@ pub use counters::{CounterSnapshot, Counters, ReplicaStatus};
 pub use worker::measure_throughput;
 
 use super::replica::{Accum, Frozen, Replica};
-use super::STAGE_PROTOCOL;
+use super::Lane;
 use crate::dht::Manifest;
 use crate::model::ModelError;
 use crate::net::{NetError, NetHandle};
@@ -162,7 +162,7 @@ struct Shared {
     /// Set when the replica is leaving: no new forward passes, no `info` answers.
     draining: AtomicBool,
     /// Callers whose requests failed validation, and those refused for it a while.
-    bans: Mutex<crate::averaging::guard::Guard>,
+    bans: Mutex<crate::guard::Guard>,
     /// Numbers the strikes (each refusal is one).
     strikes: std::sync::atomic::AtomicU64,
     /// Streams open per caller.
@@ -204,12 +204,13 @@ struct Reply {
 /// A running stage service. Dropping it stops accepting streams.
 pub struct StageService {
     shared: Arc<Shared>,
-    accept: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The accept loop of each lane.
+    accept: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl Drop for StageService {
     fn drop(&mut self) {
-        if let Some(a) = lock(&self.accept).take() {
+        for a in lock(&self.accept).drain(..) {
             a.abort();
         }
         // Without the sender the compute thread finishes the queued jobs and exits.
@@ -277,7 +278,7 @@ impl StageService {
             progress: Arc::new(Notify::new()),
             extension: Mutex::new(None),
             draining: AtomicBool::new(false),
-            bans: Mutex::new(crate::averaging::guard::Guard::default()),
+            bans: Mutex::new(crate::guard::Guard::default()),
             strikes: std::sync::atomic::AtomicU64::new(0),
             streams: Mutex::new(std::collections::HashMap::new()),
             held: Mutex::new(std::collections::HashMap::new()),
@@ -301,24 +302,33 @@ impl StageService {
             .name(format!("shoal-stage-{stage}"))
             .spawn(move || worker::Worker::new(codec, worker_shared).run(rx))
             .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
-        let mut incoming = net.accept_with(STAGE_PROTOCOL, conn::lane(&shared))?;
-        let accept_shared = Arc::clone(&shared);
         let span = tracing::info_span!("stage", index = stage);
-        let accept = tokio::spawn(tracing::Instrument::instrument(
-            async move {
-                while let Some((peer, stream)) = incoming.next().await {
-                    tokio::spawn(tracing::Instrument::in_current_span(conn::handle(
-                        Arc::clone(&accept_shared),
-                        peer,
-                        stream,
-                    )));
-                }
-            },
-            span,
-        ));
+        // Every lane is registered before any loop starts: a failure leaves nothing behind
+        // (an `Incoming` dropped unregisters its protocol).
+        let incomings = Lane::ALL
+            .into_iter()
+            .map(|lane| Ok((lane, net.accept_with(lane.protocol(), conn::lane(&shared))?)))
+            .collect::<Result<Vec<_>, NetError>>()?;
+        let mut accepts = Vec::new();
+        for (lane, mut incoming) in incomings {
+            let accept_shared = Arc::clone(&shared);
+            accepts.push(tokio::spawn(tracing::Instrument::instrument(
+                async move {
+                    while let Some((peer, stream)) = incoming.next().await {
+                        tokio::spawn(tracing::Instrument::in_current_span(conn::handle(
+                            Arc::clone(&accept_shared),
+                            lane,
+                            peer,
+                            stream,
+                        )));
+                    }
+                },
+                span.clone(),
+            )));
+        }
         Ok(Self {
             shared,
-            accept: Mutex::new(Some(accept)),
+            accept: Mutex::new(accepts),
         })
     }
 
@@ -341,8 +351,8 @@ impl StageService {
     pub async fn close(&self) {
         self.drain();
         lock(&self.shared.jobs).take();
-        let accept = lock(&self.accept).take();
-        if let Some(a) = accept {
+        let accepts: Vec<_> = lock(&self.accept).drain(..).collect();
+        for a in accepts {
             a.abort();
             let _ = a.await;
         }
