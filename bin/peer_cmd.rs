@@ -254,12 +254,21 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
             let mut reported = Instant::now();
             let stop = shutdown_signal();
             tokio::pin!(stop);
+            let mut failed = None;
+            let mut counted = Instant::now();
             loop {
                 tokio::select! {
                     _ = &mut stop => break,
-                    _ = tokio::time::sleep(tick) => {}
+                    // At least every second: a replica whose compute thread died is
+                    // withdrawn within one.
+                    _ = tokio::time::sleep(tick.min(Duration::from_secs(1))) => {}
                 }
-                if counters_every.is_some() {
+                failed = peer.failure();
+                if failed.is_some() {
+                    break;
+                }
+                if counters_every.is_some() && counted.elapsed() >= tick {
+                    counted = Instant::now();
                     if let Some(e) = counters(peer.service(), peer.avg_stats()) {
                         out.emit(e);
                     }
@@ -280,7 +289,10 @@ pub fn peer(a: PeerArgs) -> Result<ExitCode> {
                 out.emit(e);
             }
             out.emit(Event::Stopped);
-            Ok::<_, anyhow::Error>(())
+            match failed {
+                Some(why) => Err(anyhow::anyhow!(why)),
+                None => Ok::<_, anyhow::Error>(()),
+            }
         },
         span,
     ))?;

@@ -386,7 +386,8 @@ fn train(cfg: &RunConfig, opts: &LocalOptions, events: &mut LocalEvents) -> Resu
 }
 
 /// `shoal ... | head` closes stdout early: `println!` then panics. Exit as a Unix tool
-/// killed by SIGPIPE would (status 141), without a backtrace; other panics are unchanged.
+/// killed by SIGPIPE would (status 141), without a backtrace. A stage compute thread's
+/// panic is caught and reported by its peer in one line; other panics are unchanged.
 fn quiet_broken_pipe() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -399,7 +400,14 @@ fn quiet_broken_pipe() {
         if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
             std::process::exit(141);
         }
-        default(info);
+        // A stage's compute thread catches its own panics: the peer withdraws the replica
+        // and exits with one line saying why, so the panic is not printed here too.
+        let compute = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("shoal-stage-"));
+        if !compute {
+            default(info);
+        }
     }));
 }
 

@@ -1228,3 +1228,72 @@ async fn a_donor_serving_bad_chunks_is_dropped_and_the_state_checks_out() {
         p.stop().await.unwrap();
     }
 }
+
+/// A donor that says its updates come in a billion chunks, and counts the calls it gets.
+struct Inflating(std::sync::atomic::AtomicU32);
+
+impl Extension for Inflating {
+    fn call(
+        &self,
+        _: PeerId,
+        req: Request,
+        _: Vec<Vec<u8>>,
+    ) -> futures::future::BoxFuture<'_, Result<Answer, Refusal>> {
+        Box::pin(async move {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let step = req.chunk.map_or(0, |c| c.step);
+            let mut frame = Vec::new();
+            shoal::wire::encode_f32(&[4], &[0.0; 4], &CodecSpec::F32, &mut frame).unwrap();
+            Ok(Answer {
+                update: Some(shoal::wire::msg::UpdateInfo {
+                    step,
+                    total: 4,
+                    lost: 0,
+                    hash: "0".repeat(32),
+                    chunks: 1 << 30,
+                    start: 0,
+                    end: 4,
+                    members: Vec::new(),
+                }),
+                frames: vec![frame],
+                ..Answer::default()
+            })
+        })
+    }
+}
+
+/// Bad input on the state protocol: a donor's update chunk count sizes an allocation and a
+/// loop of calls, so one that is not the stage's is refused after the first answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_announcing_more_update_chunks_than_the_stage_has_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = three_stage(CodecSpec::F32);
+    let (m, path) = manifest_file(&dir, &cfg);
+    let p = start(peer_config(
+        RunSource::File(path),
+        vec![],
+        StageChoice::Index(0),
+    ))
+    .await
+    .unwrap();
+    let donor = std::sync::Arc::new(Inflating(Default::default()));
+    p.service().unwrap().attach(donor.clone());
+    let pid = p.net().local_peer_id();
+    let c = client(&p.addrs()[0], None).await;
+    let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
+    let stage = Stage::new(&cfg, 0, &Device::Cpu).unwrap();
+    let replica = std::sync::Arc::new(tokio::sync::Mutex::new(
+        shoal::stage::replica::Replica::new(&cfg, stage).unwrap(),
+    ));
+    let e = shoal::averaging::updates::catch_up(&sc, 0, c.local_peer_id(), &[pid], &replica)
+        .await
+        .unwrap_err();
+    assert!(e.contains("chunks, not the"), "{e}");
+    assert_eq!(
+        donor.0.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "no loop of calls"
+    );
+    assert_eq!(replica.lock().await.params_step(), 0);
+    p.stop().await.unwrap();
+}

@@ -446,6 +446,17 @@ impl Peer {
         self.watch().service()
     }
 
+    /// Why this peer's replica can no longer serve (its compute thread died), if so: the
+    /// peer should [`stop`](Self::stop) (which withdraws it) and exit with this reason.
+    pub fn failure(&self) -> Option<String> {
+        let s = self.service()?;
+        let why = s.failure()?;
+        Some(format!(
+            "stage {}: the compute thread failed ({why}); the replica withdrew from the swarm",
+            s.stage()
+        ))
+    }
+
     /// The final status of every stage replica this peer left by migrating: their
     /// accounting (samples dropped on a state download, samples still held) leaves the
     /// stage with them.
@@ -481,7 +492,10 @@ impl Peer {
         let mut result = Ok(());
         if let Some(serving) = serving {
             let service = self.ctx.leave(serving).await;
-            if let Some(path) = &self.ctx.cfg.checkpoint {
+            // A replica whose compute thread died mid-job may hold half-updated
+            // parameters: no checkpoint of it.
+            let sound = service.failure().is_none();
+            if let Some(path) = self.ctx.cfg.checkpoint.as_ref().filter(|_| sound) {
                 result = super::serving::save_checkpoint(
                     &service,
                     &self.ctx.manifest,

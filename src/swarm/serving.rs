@@ -386,7 +386,8 @@ impl Ctx {
         let mut step = (service.step(), Instant::now());
         let mut wait_settled = async |closed: bool| loop {
             let (queued, pending) = settled(&service);
-            if queued == 0 && pending == 0 {
+            // A replica whose compute thread died has nothing more to finish.
+            if (queued == 0 && pending == 0) || service.failure().is_some() {
                 return;
             }
             if service.step() != step.0 {

@@ -187,6 +187,8 @@ struct Shared {
     /// Synchronous calls held here for a step after this replica's (a later stage's sign
     /// that stage 0 has moved on).
     held_ahead: AtomicU32,
+    /// Why the compute thread died, once it has (a panic, caught).
+    failed: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -295,12 +297,16 @@ impl StageService {
             others: Mutex::new(super::sync::Others::default()),
             sync_changed: Notify::new(),
             held_ahead: AtomicU32::new(0),
+            failed: Mutex::new(None),
         });
         let codec = manifest.config.codecs.activations;
         let worker_shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name(format!("shoal-stage-{stage}"))
-            .spawn(move || worker::Worker::new(codec, worker_shared).run(rx))
+            .spawn(move || {
+                let w = worker::Worker::new(codec, Arc::clone(&worker_shared));
+                worker::run_guarded(&worker_shared, move || w.run(rx));
+            })
             .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
         let span = tracing::info_span!("stage", index = stage);
         // Every lane is registered before any loop starts: a failure leaves nothing behind
@@ -338,6 +344,12 @@ impl StageService {
     /// served, so what this replica accumulated can still be averaged.
     pub fn drain(&self) {
         self.shared.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Why the compute thread died, if it has (a panic): the replica refuses every call
+    /// from then on; its peer withdraws it and stops.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.shared.failed).clone()
     }
 
     /// Whether [`drain`](Self::drain) was called.

@@ -46,6 +46,32 @@ pub(super) async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Ve
     }
 }
 
+/// Runs the compute thread's loop; a panic in it is caught and recorded as the service's
+/// failure ([`super::StageService::failure`]): the replica refuses everything from then on
+/// (it drains), and whoever runs it withdraws it and stops.
+pub(super) fn run_guarded(shared: &Arc<Shared>, body: impl FnOnce()) {
+    if let Err(why) = guarded(body) {
+        tracing::debug!(stage = shared.stage, "the compute thread failed: {why}");
+        shared.draining.store(true, Ordering::Relaxed);
+        *lock(&shared.failed) = Some(why);
+        lock(&shared.jobs).take();
+    }
+}
+
+/// Runs `body`, catching a panic: its message's first line.
+fn guarded(body: impl FnOnce()) -> Result<(), String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).map_err(|p| {
+        p.downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic")
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string()
+    })
+}
+
 /// The compute thread's state.
 pub(super) struct Worker {
     codec: CodecSpec,
@@ -292,4 +318,17 @@ pub fn measure_throughput(
     }
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
     Ok((n * batch) as f64 / secs)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_panic_in_the_compute_loop_is_caught_with_its_first_line() {
+        assert_eq!(super::guarded(|| {}), Ok(()));
+        let e = super::guarded(|| panic!("candle blew up\nsecond line"));
+        assert_eq!(e, Err("candle blew up".to_string()));
+        let n = 3;
+        let e = super::guarded(move || panic!("index {n} out of range"));
+        assert_eq!(e, Err("index 3 out of range".to_string()));
+    }
 }
