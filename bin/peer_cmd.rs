@@ -17,17 +17,74 @@ use shoal::trainer::TrainerStats;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Where a process's events go: people read their `Display` (stdout, or stderr when the
 /// JSON goes to stdout); `--events` also writes each as a JSON line.
+///
+/// The writing happens on a thread of its own, fed over a bounded channel: `emit` is
+/// called from async tasks, which must not block on a slow terminal or file. The thread
+/// ends, with everything written, when the last clone is dropped.
 #[derive(Clone)]
 pub struct Out {
-    json: Option<Arc<Mutex<Box<dyn Write + Send>>>>,
+    inner: Arc<OutInner>,
+}
+
+struct OutInner {
+    tx: Option<std::sync::mpsc::SyncSender<Event>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for OutInner {
+    fn drop(&mut self) {
+        // Closing the channel ends the writer once it has written what was sent.
+        self.tx.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Events waiting for the writer thread before `emit` waits for room.
+const EVENTS_QUEUED: usize = 4096;
+
+/// What the writer thread owns.
+struct Writer {
+    json: Option<Box<dyn Write + Send>>,
     human_to_stderr: bool,
     /// The bar of the state download under way (`downloading` events).
-    download: Arc<Mutex<DownloadBar>>,
+    download: DownloadBar,
+}
+
+impl Writer {
+    fn write(&mut self, e: Event) {
+        if let Some(w) = &mut self.json {
+            if let Ok(line) = serde_json::to_string(&e) {
+                // A reader that went away must not stop the peer.
+                let _ = writeln!(w, "{line}").and_then(|()| w.flush());
+            }
+        }
+        if matches!(&e, Event::Reasons { failed, swapped } if failed.is_empty() && swapped.is_empty())
+        {
+            return;
+        }
+        if let Event::Downloading {
+            stage,
+            bytes,
+            total,
+        } = e
+        {
+            self.download.show(stage, bytes, total);
+            return;
+        }
+        self.download.clear();
+        if self.human_to_stderr {
+            eprintln!("{e}");
+        } else {
+            println!("{e}");
+        }
+    }
 }
 
 impl Out {
@@ -42,47 +99,37 @@ impl Out {
                 (Some(Box::new(std::io::LineWriter::new(f))), false)
             }
         };
-        Ok(Self {
-            json: json.map(|w| Arc::new(Mutex::new(w))),
+        let mut w = Writer {
+            json,
             human_to_stderr,
-            download: Arc::new(Mutex::new(if human_to_stderr {
+            download: if human_to_stderr {
                 DownloadBar::plain_on_stderr()
             } else {
                 DownloadBar::default()
-            })),
+            },
+        };
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Event>(EVENTS_QUEUED);
+        let writer = std::thread::Builder::new()
+            .name("shoal-events".into())
+            .spawn(move || {
+                while let Ok(e) = rx.recv() {
+                    w.write(e);
+                }
+            })
+            .context("cannot start the events writer")?;
+        Ok(Self {
+            inner: Arc::new(OutInner {
+                tx: Some(tx),
+                writer: Some(writer),
+            }),
         })
     }
 
-    /// Reports `e`.
+    /// Reports `e` (written by the writer thread, in order).
     pub fn emit(&self, e: Event) {
-        if let Some(w) = &self.json {
-            if let Ok(line) = serde_json::to_string(&e) {
-                let mut w = w.lock().unwrap_or_else(|p| p.into_inner());
-                // A reader that went away must not stop the peer.
-                let _ = writeln!(w, "{line}").and_then(|()| w.flush());
-            }
-        }
-        if matches!(&e, Event::Reasons { failed, swapped } if failed.is_empty() && swapped.is_empty())
-        {
-            return;
-        }
-        {
-            let mut bar = self.download.lock().unwrap_or_else(|p| p.into_inner());
-            if let Event::Downloading {
-                stage,
-                bytes,
-                total,
-            } = e
-            {
-                bar.show(stage, bytes, total);
-                return;
-            }
-            bar.clear();
-        }
-        if self.human_to_stderr {
-            eprintln!("{e}");
-        } else {
-            println!("{e}");
+        if let Some(tx) = &self.inner.tx {
+            // Waits only while the writer is thousands of events behind.
+            let _ = tx.send(e);
         }
     }
 }

@@ -25,9 +25,10 @@
 //! - [`guard`]: whom a peer stops listening to: strikes, bans, and the checks of gradients
 //!   other replicas send (used by the stage server and the averager).
 //! - [`rng`]: the seeded generator every peer computes identically.
+//! - [`tasks`]: the one task model: groups of long-lived tasks, cancelled and awaited together.
 //!
-//! Each module only calls the ones listed before it (`config`, `files`, `guard` and `rng`
-//! are used throughout). The library never starts `shoal` processes and never reads printed text:
+//! Each module only calls the ones listed before it (`config`, `files`, `guard`, `rng` and
+//! `tasks` are used throughout). The library never starts `shoal` processes and never reads printed text:
 //! the harness that spawns peers for `shoal demo` and `shoal bench swarm` lives in the
 //! binary (`bin/harness/`) and reads the processes' JSON event streams.
 pub mod averaging;
@@ -43,6 +44,7 @@ pub mod observe;
 pub mod rng;
 pub mod stage;
 pub mod swarm;
+pub mod tasks;
 pub mod train;
 pub mod trainer;
 pub mod wire;

@@ -325,16 +325,17 @@ pub struct AvgStats {
     pub bans: std::sync::Mutex<Vec<(guard::Banned, Instant)>>,
 }
 
-/// A running averager. Dropping it stops the task.
+/// A running averager. Dropping it stops its task; its senders then send what they hold
+/// and end.
 pub struct Averager {
-    task: tokio::task::JoinHandle<()>,
+    tasks: crate::tasks::Tasks,
     stats: Arc<AvgStats>,
     leave: tokio::sync::watch::Sender<bool>,
 }
 
 impl Drop for Averager {
     fn drop(&mut self) {
-        self.task.abort();
+        self.tasks.cancel();
     }
 }
 
@@ -364,21 +365,18 @@ impl Averager {
         ));
         let stats = Arc::new(AvgStats::default());
         let span = tracing::info_span!("averager", stage = service.stage());
+        let tasks = crate::tasks::Tasks::new();
         let (out_tx, out_rx) = mpsc::channel(send::OUTBOX);
-        tokio::spawn(tracing::Instrument::in_current_span(send::sender(
-            client.clone(),
-            service.stage(),
-            out_rx,
-        )));
+        tasks.spawn_draining(send::sender(client.clone(), service.stage(), out_rx));
         let (bulk_tx, bulk_rx) = mpsc::channel(send::BULK_OUTBOX);
         let abandoned = send::Abandoned::default();
-        tokio::spawn(tracing::Instrument::in_current_span(send::bulk_sender(
+        tasks.spawn_draining(send::bulk_sender(
             client.clone(),
             service.stage(),
             bulk_rx,
             abandoned.clone(),
             Arc::clone(&stats),
-        )));
+        ));
         let st = actor::State {
             me: client.local_peer_id(),
             stage: service.stage(),
@@ -415,8 +413,12 @@ impl Averager {
             left_lost: 0,
         };
         let (leave, leave_rx) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(tracing::Instrument::instrument(st.run(rx, leave_rx), span));
-        Self { task, stats, leave }
+        tasks.spawn(tracing::Instrument::instrument(st.run(rx, leave_rx), span));
+        Self {
+            tasks,
+            stats,
+            leave,
+        }
     }
 
     /// Tells the stage's other replicas that this one leaves (they forget it at once

@@ -239,15 +239,8 @@ pub struct Pages {
 pub struct Server {
     /// The address it listens on.
     pub addr: SocketAddr,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
+    /// The listener and the dashboard's refreshers; cancelled when the server is dropped.
+    _tasks: tokio_util::sync::DropGuard,
 }
 
 /// Listens on `addr` and serves `pages` from `state` until the [`Server`] is dropped;
@@ -255,20 +248,20 @@ impl Drop for Server {
 pub async fn serve(addr: SocketAddr, state: Arc<State>, pages: Pages) -> std::io::Result<Server> {
     let listener = TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
-    let mut tasks = Vec::new();
+    let tasks = crate::tasks::Tasks::new();
     if pages.dashboard {
         let st = Arc::clone(&state);
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             let mut last = None;
             loop {
                 st.sample(&mut last);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
-        }));
+        });
     }
     if let (true, Some((net, run))) = (pages.dashboard, state.net.get().cloned()) {
         let st = Arc::clone(&state);
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             let mut seen: Vec<String> = Vec::new();
             loop {
                 if let Ok(runs) = crate::stage::status::gather(&net, Some(&run)).await {
@@ -288,10 +281,10 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>, pages: Pages) -> std::io
                 }
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
-        }));
+        });
     }
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    tasks.push(tokio::spawn(async move {
+    tasks.spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
@@ -305,8 +298,11 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>, pages: Pages) -> std::io
                 drop(permit);
             });
         }
-    }));
-    Ok(Server { addr, tasks })
+    });
+    Ok(Server {
+        addr,
+        _tasks: tasks.cancel_on_drop(),
+    })
 }
 
 /// "stage/peer" of every replica in a status view.

@@ -324,13 +324,15 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Reports what `net` learns as [`Event::Net`] until its network stops.
+/// Reports what `net` learns as [`Event::Net`] until its network stops (a task of
+/// `tasks`).
 pub fn forward_net_events(
     net: &crate::net::NetHandle,
     emit: Observer,
-) -> tokio::task::JoinHandle<()> {
+    tasks: &crate::tasks::Tasks,
+) {
     let mut rx = net.subscribe();
-    tokio::spawn(tracing::Instrument::in_current_span(async move {
+    tasks.spawn(async move {
         loop {
             match rx.recv().await {
                 Ok(what) => emit(Event::Net { what }),
@@ -340,7 +342,7 @@ pub fn forward_net_events(
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
             }
         }
-    }))
+    });
 }
 
 /// Receives a peer's events.

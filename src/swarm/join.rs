@@ -85,14 +85,3 @@ pub(super) async fn rejoin_loop(net: NetHandle, bootstrap: Vec<Multiaddr>, every
         }
     }
 }
-
-/// Background tasks of a peer, aborted when it is dropped (also when it fails to start).
-pub(super) struct Keepers(pub(super) Vec<tokio::task::JoinHandle<()>>);
-
-impl Drop for Keepers {
-    fn drop(&mut self) {
-        for k in &self.0 {
-            k.abort();
-        }
-    }
-}

@@ -14,8 +14,8 @@
 //! replicas there.
 
 use super::events::{Event, Observer};
+use super::join::rejoin_loop;
 pub use super::join::{join, BOOTSTRAP_PATIENCE, REJOIN_EVERY};
-use super::join::{rejoin_loop, Keepers};
 use super::serving::{rebalance_loop, slot_lock, Ctx, Slot};
 use crate::averaging::sync::{SyncError, SyncReport};
 use crate::averaging::AvgStats;
@@ -26,6 +26,7 @@ use crate::net::{self, NetConfig, NetError, NetHandle};
 use crate::stage::registry::{self, RegistryError};
 use crate::stage::select;
 use crate::stage::service::{ReplicaStatus, ServiceConfig, StageService};
+use crate::tasks::Tasks;
 use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
 use libp2p::Multiaddr;
@@ -205,10 +206,13 @@ pub struct Peer {
     slot: Slot,
     /// Held for the whole of a migration, so that stopping waits for one to finish.
     moving: Arc<tokio::sync::Mutex<()>>,
-    rebalancer: Option<tokio::task::JoinHandle<()>>,
-    /// Republishes the run's manifest.
-    /// The manifest republisher, the bootstrap re-dialler, the network events' forwarder.
-    _keepers: Keepers,
+    /// The rebalancer, stopped before the stage is left.
+    rebalancer: Tasks,
+    /// The manifest republisher, the bootstrap re-dialler, the network events' forwarder:
+    /// cancelled when the peer is dropped (also when it fails to start), with every group
+    /// made from it.
+    tasks: Tasks,
+    _cancel: tokio_util::sync::DropGuard,
     moves: Arc<AtomicU64>,
     trainers: Vec<Trainer>,
     /// The trainers' own network node, beside a stage (see [`Peer::start`]).
@@ -245,10 +249,9 @@ impl Peer {
         };
         let n_listen = cfg.net.listen.len();
         let net = net::start(cfg.net.clone())?;
-        let mut keepers = Keepers(vec![super::events::forward_net_events(
-            &net,
-            Arc::clone(&emit),
-        )]);
+        let tasks = Tasks::new();
+        let cancel = tasks.cancel_on_drop();
+        super::events::forward_net_events(&net, Arc::clone(&emit), &tasks);
         let addrs = net
             .wait_listening(n_listen, Duration::from_secs(10))
             .await?;
@@ -263,11 +266,11 @@ impl Peer {
             });
         }
         join(&net, &cfg.bootstrap).await?;
-        keepers
-            .0
-            .push(tokio::spawn(tracing::Instrument::in_current_span(
-                rejoin_loop(net.clone(), cfg.bootstrap.clone(), cfg.rejoin_every),
-            )));
+        tasks.spawn(rejoin_loop(
+            net.clone(),
+            cfg.bootstrap.clone(),
+            cfg.rejoin_every,
+        ));
         let manifest = match (from_file, &cfg.run) {
             (Some(m), _) => m,
             (None, RunSource::Id(id)) => {
@@ -278,9 +281,9 @@ impl Peer {
         registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
         // Every peer keeps the manifest alive (a bootstrap that serves no stage too): its
         // record expires with the announcement TTL.
-        keepers.0.push({
+        {
             let (net, manifest, ttl) = (net.clone(), manifest.clone(), cfg.announce_ttl);
-            tokio::spawn(tracing::Instrument::in_current_span(async move {
+            tasks.spawn(async move {
                 let period = (ttl / 3).max(Duration::from_millis(200));
                 loop {
                     tokio::time::sleep(period).await;
@@ -288,8 +291,8 @@ impl Peer {
                         tracing::warn!(target: "shoal::peer", "cannot republish the manifest: {e}");
                     }
                 }
-            }))
-        });
+            });
+        }
         emit(Event::Run {
             id: manifest.id.clone(),
         });
@@ -339,8 +342,9 @@ impl Peer {
             addrs,
             slot: Arc::new(Mutex::new(None)),
             moving: Arc::new(tokio::sync::Mutex::new(())),
-            rebalancer: None,
-            _keepers: keepers,
+            rebalancer: tasks.child(),
+            tasks,
+            _cancel: cancel,
             moves: Arc::new(AtomicU64::new(0)),
             trainers: Vec::new(),
             trainer_net: None,
@@ -353,16 +357,14 @@ impl Peer {
                     crate::dht::now_ms(),
                     &format!("{}/rebalance", net.local_peer_id()),
                 );
-                peer.rebalancer = Some(tokio::spawn(tracing::Instrument::in_current_span(
-                    rebalance_loop(
-                        Arc::clone(&ctx),
-                        Arc::clone(&peer.slot),
-                        Arc::clone(&peer.moving),
-                        Arc::clone(&peer.moves),
-                        period,
-                        seed,
-                    ),
-                )));
+                peer.rebalancer.spawn(rebalance_loop(
+                    Arc::clone(&ctx),
+                    Arc::clone(&peer.slot),
+                    Arc::clone(&peer.moving),
+                    Arc::clone(&peer.moves),
+                    period,
+                    seed,
+                ));
             }
         }
         let me = net.local_peer_id().to_string();
@@ -485,9 +487,7 @@ impl Peer {
             n.shutdown().await;
         }
         let _moving = self.moving.lock().await;
-        if let Some(r) = self.rebalancer.take() {
-            r.abort();
-        }
+        self.rebalancer.shutdown(Duration::from_secs(5)).await;
         let serving = slot_lock(&self.slot).take();
         let mut result = Ok(());
         if let Some(serving) = serving {
@@ -505,17 +505,17 @@ impl Peer {
                 .await;
             }
         }
+        // The keepers end before the network does (they use it).
+        self.tasks.shutdown(Duration::from_secs(5)).await;
         self.ctx.net.shutdown().await;
         result
     }
 
     /// Stops at once without withdrawing anything: what a crash looks like to the swarm.
     pub async fn kill(mut self) {
-        if let Some(r) = self.rebalancer.take() {
-            r.abort();
-        }
+        self.tasks.cancel();
         if let Some(s) = slot_lock(&self.slot).take() {
-            s.refresher.abort();
+            s.refresher.cancel();
         }
         if let Some(n) = self.trainer_net.take() {
             n.shutdown().await;
@@ -526,11 +526,9 @@ impl Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
-        if let Some(r) = self.rebalancer.take() {
-            r.abort();
-        }
+        // The keepers and the rebalancer are cancelled by `_cancel`.
         if let Some(s) = slot_lock(&self.slot).take() {
-            s.refresher.abort();
+            s.refresher.cancel();
         }
     }
 }

@@ -72,7 +72,8 @@ const SYNC_ATTEMPTS: usize = 3;
 pub(super) struct Serving {
     pub(super) service: Arc<StageService>,
     pub(super) averager: Averager,
-    pub(super) refresher: tokio::task::JoinHandle<()>,
+    /// Announcements (and periodic checkpoints), cancelled when the stage is left.
+    pub(super) refresher: crate::tasks::Tasks,
     pub(super) samples_per_s: f64,
     pub(super) synced: Option<SyncReport>,
 }
@@ -319,14 +320,15 @@ impl Ctx {
             )),
             _ => None,
         };
-        let refresher = tokio::spawn(tracing::Instrument::in_current_span(async move {
+        let refresher = crate::tasks::Tasks::new();
+        refresher.spawn(async move {
             match periodic {
                 Some(p) => {
                     tokio::join!(refresh.run(), p);
                 }
                 None => refresh.run().await,
             }
-        }));
+        });
         Ok(Serving {
             service,
             averager,
@@ -365,7 +367,7 @@ impl Ctx {
 
     /// Leaves a stage gracefully and returns its service (closed) for a checkpoint.
     pub(super) async fn leave(&self, serving: Serving) -> Arc<StageService> {
-        serving.refresher.abort();
+        serving.refresher.shutdown(Duration::from_secs(5)).await;
         let last = self.last.lock().ok().and_then(|mut g| g.take());
         if let Some(a) = last {
             if let Err(e) = registry::withdraw(&self.net, &a).await {

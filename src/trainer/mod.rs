@@ -125,7 +125,11 @@ pub struct Trainer {
     stats: Arc<TrainerStats>,
     client: StageClient,
     stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
+    /// The loop, in `tasks`: it ends with its microbatches after `stop`, or is cancelled.
+    task: tokio::task::JoinHandle<Option<()>>,
+    tasks: crate::tasks::Tasks,
+    /// Cancels the loop when the trainer is dropped without being stopped.
+    _cancel: tokio_util::sync::DropGuard,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -178,14 +182,15 @@ impl Trainer {
         let batch = m.config.training.batch_size;
         let seq = m.config.model.seq_len;
         let data_seed = m.config.training.data_seed;
-        let task = tokio::spawn(tracing::Instrument::in_current_span(run(
-            ctx, source, batch, seq, data_seed, stop_rx,
-        )));
+        let tasks = crate::tasks::Tasks::new();
+        let task = tasks.spawn(run(ctx, source, batch, seq, data_seed, stop_rx));
         Ok(Self {
             stats,
             client,
             stop,
             task,
+            _cancel: tasks.cancel_on_drop(),
+            tasks,
         })
     }
 
@@ -216,7 +221,7 @@ impl Trainer {
         let _ = self.stop.send(true);
         let mut task = self.task;
         if tokio::time::timeout(grace, &mut task).await.is_err() {
-            task.abort();
+            self.tasks.shutdown(Duration::from_secs(5)).await;
             let s = &self.stats;
             let open = s.fed.load(Ordering::Relaxed).saturating_sub(
                 s.completed.load(Ordering::Relaxed) + s.failed.load(Ordering::Relaxed),

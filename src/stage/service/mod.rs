@@ -207,14 +207,12 @@ struct Reply {
 pub struct StageService {
     shared: Arc<Shared>,
     /// The accept loop of each lane.
-    accept: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    accept: crate::tasks::Tasks,
 }
 
 impl Drop for StageService {
     fn drop(&mut self) {
-        for a in lock(&self.accept).drain(..) {
-            a.abort();
-        }
+        self.accept.cancel();
         // Without the sender the compute thread finishes the queued jobs and exits.
         lock(&self.shared.jobs).take();
     }
@@ -315,10 +313,10 @@ impl StageService {
             .into_iter()
             .map(|lane| Ok((lane, net.accept_with(lane.protocol(), conn::lane(&shared))?)))
             .collect::<Result<Vec<_>, NetError>>()?;
-        let mut accepts = Vec::new();
+        let accepts = crate::tasks::Tasks::new();
         for (lane, mut incoming) in incomings {
             let accept_shared = Arc::clone(&shared);
-            accepts.push(tokio::spawn(tracing::Instrument::instrument(
+            accepts.spawn(tracing::Instrument::instrument(
                 async move {
                     while let Some((peer, stream)) = incoming.next().await {
                         tokio::spawn(tracing::Instrument::in_current_span(conn::handle(
@@ -330,11 +328,11 @@ impl StageService {
                     }
                 },
                 span.clone(),
-            )));
+            ));
         }
         Ok(Self {
             shared,
-            accept: Mutex::new(accepts),
+            accept: accepts,
         })
     }
 
@@ -363,11 +361,9 @@ impl StageService {
     pub async fn close(&self) {
         self.drain();
         lock(&self.shared.jobs).take();
-        let accepts: Vec<_> = lock(&self.accept).drain(..).collect();
-        for a in accepts {
-            a.abort();
-            let _ = a.await;
-        }
+        // The loops end at once (each waits for its next stream); their per-stream tasks
+        // finish the calls under way.
+        self.accept.shutdown(Duration::from_secs(5)).await;
     }
 
     /// The stage served.
