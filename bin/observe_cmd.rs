@@ -4,12 +4,13 @@
 use crate::args::ObserveArgs;
 use crate::peer_cmd::{Out, Trainers};
 use anyhow::{Context, Result};
+use parking_lot::Mutex;
 use shoal::observe::http::{self, Pages, Server, State};
 use shoal::observe::{CodecView, ReplicaView, Snapshot, Source};
 use shoal::swarm::events::{peak_rss_bytes, Event};
 use shoal::swarm::peer::{Peer, PeerConfig, PeerWatch};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Eval batches per `--eval-every` measurement.
@@ -87,7 +88,7 @@ impl Watch {
                 loop {
                     tokio::time::sleep(every).await;
                     match shoal::stage::probe::evaluate(&net, &m, EVAL_BATCHES).await {
-                        Ok(l) => *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(l),
+                        Ok(l) => *slot.lock() = Some(l),
                         Err(e) => tracing::debug!("eval for the dashboard failed: {e}"),
                     }
                 }
@@ -205,7 +206,7 @@ fn snapshot(p: &Parts) -> Snapshot {
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         links: p.trainers.links(),
         compression,
-        eval_loss: *p.eval.lock().unwrap_or_else(|e| e.into_inner()),
+        eval_loss: *p.eval.lock(),
         stage_replicas: p.trainers.stage_replicas(),
     }
 }

@@ -242,15 +242,11 @@ impl Trainers {
         let mut failed = BTreeMap::new();
         let mut swapped = BTreeMap::new();
         for s in &self.stats {
-            if let Ok(f) = s.failures.lock() {
-                for (reason, n) in f.iter() {
-                    *failed.entry(reason.clone()).or_insert(0) += n;
-                }
+            for (reason, n) in s.failures.lock().iter() {
+                *failed.entry(reason.clone()).or_insert(0) += n;
             }
-            if let Ok(r) = s.swap_reasons.lock() {
-                for (reason, n) in r.iter() {
-                    *swapped.entry(reason.clone()).or_insert(0) += n;
-                }
+            for (reason, n) in s.swap_reasons.lock().iter() {
+                *swapped.entry(reason.clone()).or_insert(0) += n;
             }
         }
         (failed, swapped)

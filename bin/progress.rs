@@ -5,9 +5,9 @@
 //! Only the binary draws bars; the library reports progress through callbacks and events.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use parking_lot::Mutex;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// One piece of long work, `len` units long.
@@ -130,7 +130,7 @@ impl Bar {
         let last = pos >= self.len && self.len > 0;
         let due_pos = pos >= self.next_pos.load(Ordering::Relaxed)
             || (last && !self.ended.swap(true, Ordering::Relaxed));
-        let mut t = self.next_time.lock().unwrap_or_else(|p| p.into_inner());
+        let mut t = self.next_time.lock();
         let due = due_pos || now >= *t;
         if due {
             *t = now + PLAIN_EVERY;

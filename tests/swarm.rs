@@ -460,7 +460,7 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
         "churn: replica killed holding {held} samples; fed {fed} completed {done} failed {failed}"
     );
     for tr in t.trainers() {
-        for (reason, n) in tr.stats().failures.lock().unwrap().iter() {
+        for (reason, n) in tr.stats().failures.lock().iter() {
             eprintln!("  failed {n}: {reason}");
         }
     }

@@ -52,7 +52,7 @@ pub(super) struct State {
     /// The inbox's shared state (attempts that are over are refused there).
     pub(super) inbox: Inbox,
     /// The updates applied last, served to replicas catching up.
-    pub(super) log: Arc<std::sync::Mutex<UpdateLog>>,
+    pub(super) log: Arc<parking_lot::Mutex<UpdateLog>>,
     /// The applied step, shared with the server (which refuses parts of other steps).
     pub(super) step: Arc<AtomicU64>,
     pub(super) views: HashMap<PeerId, View>,
@@ -233,7 +233,8 @@ impl State {
                 self.end_round(false);
             }
         }
-        if let Ok(mut b) = self.stats.bans.lock() {
+        {
+            let mut b = self.stats.bans.lock();
             *b = self.guard.bans();
         }
     }
@@ -500,7 +501,8 @@ impl State {
         let len = self.n * 3;
         let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng, None).await;
         if let Err(e) = &r {
-            if let Ok(mut g) = self.stats.last_error.lock() {
+            {
+                let mut g = self.stats.last_error.lock();
                 *g = Some(e.to_string());
             }
         }

@@ -315,7 +315,8 @@ impl State {
             r.apply(step, &avg, total, lost)
                 .map_err(|e| e.to_string())?;
             // Kept for replicas that catch up (losing it only costs them a download).
-            if let Ok(mut l) = log.lock() {
+            {
+let mut l = log.lock();
                 if let Err(e) = l.record(step, total, lost, r.params_hash(), &members, avg.chunks()) {
                     tracing::warn!(target: "shoal::averaging", step, "cannot keep the update for replay: {e}");
                 }

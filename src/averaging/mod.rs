@@ -254,10 +254,7 @@ pub struct AvgSnapshot {
 impl AvgStats {
     /// Records a round that took `ms` milliseconds.
     pub fn record_round(&self, ms: f64) {
-        let mut r = self
-            .recent_rounds_ms
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut r = self.recent_rounds_ms.lock();
         r.push_back(ms);
         while r.len() > RECENT_ROUNDS {
             r.pop_front();
@@ -266,10 +263,7 @@ impl AvgStats {
 
     /// The peers banned from this stage's rounds at `now`.
     pub fn banned_at(&self, now: Instant) -> Vec<guard::Banned> {
-        self.bans
-            .lock()
-            .map(|b| guard::banned_at(&b, now))
-            .unwrap_or_default()
+        guard::banned_at(&self.bans.lock(), now)
     }
 
     /// The counters now.
@@ -285,11 +279,7 @@ impl AvgStats {
             rejected: g(&self.rejected),
             banned: self.banned_at(Instant::now()),
             uplink: g(&self.uplink),
-            recent_rounds_ms: self
-                .recent_rounds_ms
-                .lock()
-                .map(|r| r.iter().copied().collect())
-                .unwrap_or_default(),
+            recent_rounds_ms: self.recent_rounds_ms.lock().iter().copied().collect(),
         }
     }
 }
@@ -316,13 +306,13 @@ pub struct AvgStats {
     /// Messages not sent because the outbox was full.
     pub dropped_sends: AtomicU64,
     /// Milliseconds of the latest rounds (freeze to apply), oldest first.
-    pub recent_rounds_ms: std::sync::Mutex<std::collections::VecDeque<f64>>,
+    pub recent_rounds_ms: parking_lot::Mutex<std::collections::VecDeque<f64>>,
     /// Why the last state download failed, if it did.
-    pub last_error: std::sync::Mutex<Option<String>>,
+    pub last_error: parking_lot::Mutex<Option<String>>,
     /// Members' chunks rejected (non-finite, outsized, or a non-finite reduced chunk).
     pub rejected: AtomicU64,
     /// Every ban this averager gave, with when it ends (see [`AvgStats::banned_at`]).
-    pub bans: std::sync::Mutex<Vec<(guard::Banned, Instant)>>,
+    pub bans: parking_lot::Mutex<Vec<(guard::Banned, Instant)>>,
 }
 
 /// A running averager. Dropping it stops its task; its senders then send what they hold
@@ -358,7 +348,7 @@ impl Averager {
             part_bytes.saturating_mul(2).min(INBOX_CHUNKS * chunk_bytes) + INBOX_SLACK;
         let inbox = server::Inbox::new(tx, inbox_bytes);
         let step = Arc::clone(&inbox.step);
-        let log = Arc::new(std::sync::Mutex::new(updates::UpdateLog::default()));
+        let log = Arc::new(parking_lot::Mutex::new(updates::UpdateLog::default()));
         service.attach(Arc::new(
             server::AvgServer::new(inbox.clone(), service.replica(), cfg.state_chunk)
                 .with_log(Arc::clone(&log)),

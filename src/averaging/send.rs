@@ -223,11 +223,12 @@ pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver
 
 /// Attempts abandoned (the newest few), shared by the averager and its bulk sender.
 #[derive(Clone, Default)]
-pub(super) struct Abandoned(Arc<std::sync::Mutex<std::collections::VecDeque<Key>>>);
+pub(super) struct Abandoned(Arc<parking_lot::Mutex<std::collections::VecDeque<Key>>>);
 
 impl Abandoned {
     pub(super) fn add(&self, key: Key) {
-        if let Ok(mut a) = self.0.lock() {
+        {
+            let mut a = self.0.lock();
             a.push_back(key);
             while a.len() > 16 {
                 a.pop_front();
@@ -236,7 +237,7 @@ impl Abandoned {
     }
 
     fn has(&self, key: Key) -> bool {
-        self.0.lock().map(|a| a.contains(&key)).unwrap_or(false)
+        self.0.lock().contains(&key)
     }
 }
 
@@ -250,7 +251,7 @@ pub(super) async fn bulk_sender(
     abandoned: Abandoned,
     stats: Arc<AvgStats>,
 ) {
-    let meter = Arc::new(std::sync::Mutex::new(Meter::default()));
+    let meter = Arc::new(parking_lot::Mutex::new(Meter::default()));
     let is_live = move |key: Key| !abandoned.has(key);
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
         .flat_map(|b| futures::stream::iter(b.jobs()))
@@ -265,7 +266,8 @@ pub(super) async fn bulk_sender(
                 let floats = wire::header::parse_header(&frame, &Limits::default())
                     .map_or(0, |(h, _)| h.elements());
                 let started = Instant::now();
-                if let Ok(mut m) = meter.lock() {
+                {
+                    let mut m = meter.lock();
                     m.start(started);
                 }
                 let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
@@ -273,7 +275,8 @@ pub(super) async fn bulk_sender(
                 })
                 .await;
                 let sent = if ok { frame.len() as u64 } else { 0 };
-                if let Ok(mut m) = meter.lock() {
+                {
+                    let mut m = meter.lock();
                     m.end(sent, started, Instant::now(), &stats.uplink);
                 }
                 if ok {

@@ -11,10 +11,11 @@ use crate::wire::msg::{AvgMsg, ErrorKind, Op, Request, StateInfo, HASH_PAGE};
 use crate::wire::CodecSpec;
 use futures::future::BoxFuture;
 use libp2p::PeerId;
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 /// An averaging message as the averager receives it.
@@ -55,7 +56,7 @@ const CLOSED_KEPT: usize = 16;
 impl Inbox {
     /// Marks attempt `key` as over: its late parts are refused from now on.
     pub fn close(&self, key: (u64, u32)) {
-        let mut c = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.closed.lock();
         c.push_back(key);
         while c.len() > CLOSED_KEPT {
             c.pop_front();
@@ -63,10 +64,7 @@ impl Inbox {
     }
 
     fn is_closed(&self, key: (u64, u32)) -> bool {
-        self.closed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&key)
+        self.closed.lock().contains(&key)
     }
 }
 
@@ -131,11 +129,7 @@ impl AvgServer {
                 "state_update without a chunk",
             ));
         };
-        let got = self
-            .log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .chunk(c.step, c.index as usize);
+        let got = self.log.lock().chunk(c.step, c.index as usize);
         let (info, frame) = got.map_err(|e| Refusal::new(ErrorKind::StaleStep, e))?;
         Ok(Answer {
             update: Some(info),
@@ -144,8 +138,8 @@ impl AvgServer {
         })
     }
 
-    fn snapshots(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<SnapshotEntry>>> {
-        self.snapshots.lock().unwrap_or_else(|p| p.into_inner())
+    fn snapshots(&self) -> parking_lot::MutexGuard<'_, VecDeque<Arc<SnapshotEntry>>> {
+        self.snapshots.lock()
     }
 
     fn message(&self, peer: PeerId, req: Request, frames: Vec<Vec<u8>>) -> Result<Answer, Refusal> {

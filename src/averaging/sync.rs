@@ -17,9 +17,9 @@ use crate::stage::replica::Snapshot;
 use crate::wire::msg::{StateInfo, HASH_PAGE};
 use futures::future::join_all;
 use libp2p::PeerId;
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
 /// Why no state could be downloaded.
@@ -178,18 +178,14 @@ struct Work<'a> {
     fetched: Option<&'a Fetched>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Work<'_> {
     fn next(&self) -> Option<usize> {
-        lock(&self.queue).pop_front()
+        self.queue.lock().pop_front()
     }
 
     fn give_back(&self, i: usize, why: String) {
-        lock(&self.queue).push_back(i);
-        *lock(&self.last_error) = why;
+        self.queue.lock().push_back(i);
+        *self.last_error.lock() = why;
     }
 
     /// One worker of donor `k`: takes chunks until the queue is empty or the donor is
@@ -206,8 +202,8 @@ impl Work<'_> {
                 .await
             {
                 Ok(v) if v.len() == len && chunk_hash(&v) == self.hashes[i] => {
-                    lock(&self.flat)[start..start + len].copy_from_slice(&v);
-                    *lock(&self.served[k]) += 1;
+                    self.flat.lock()[start..start + len].copy_from_slice(&v);
+                    *self.served[k].lock() += 1;
                     if let Some(f) = self.fetched {
                         f.bytes.fetch_add(4 * len as u64, Ordering::Relaxed);
                     }
@@ -298,16 +294,16 @@ pub async fn download(
         // first chunk when first polled, so even a state of few chunks spreads over donors.
         let order = (0..PER_DONOR).flat_map(|_| donors.iter().copied().enumerate());
         join_all(order.map(|(k, d)| work.worker(client, stage, k, d))).await;
-        done = work.served.iter().map(|s| *lock(s)).sum::<usize>();
+        done = work.served.iter().map(|s| *s.lock()).sum::<usize>();
         if done == n {
             break;
         }
     }
     if done < n {
-        let index = lock(&work.queue).front().copied().unwrap_or(0) as u32;
+        let index = work.queue.lock().front().copied().unwrap_or(0) as u32;
         return Err(SyncError::Chunk {
             index,
-            cause: lock(&work.last_error).clone(),
+            cause: work.last_error.lock().clone(),
         });
     }
     let banned = donors
@@ -316,8 +312,8 @@ pub async fn download(
         .filter(|(_, b)| b.load(Ordering::Relaxed))
         .map(|(d, _)| *d)
         .collect();
-    let chunks_per_donor = work.served.iter().map(|s| *lock(s)).collect();
-    let flat = work.flat.into_inner().unwrap_or_else(|p| p.into_inner());
+    let chunks_per_donor = work.served.iter().map(|s| *s.lock()).collect();
+    let flat = work.flat.into_inner();
     Ok((
         Snapshot {
             step: info.step,

@@ -200,8 +200,8 @@ impl Bucket {
 /// bandwidth is the peer's, not each connection's).
 pub struct SharedLink {
     spec: LinkSpec,
-    up: Option<std::sync::Mutex<Bucket>>,
-    down: Option<std::sync::Mutex<Bucket>>,
+    up: Option<parking_lot::Mutex<Bucket>>,
+    down: Option<parking_lot::Mutex<Bucket>>,
 }
 
 impl SharedLink {
@@ -209,8 +209,8 @@ impl SharedLink {
     pub fn new(spec: LinkSpec) -> std::sync::Arc<Self> {
         std::sync::Arc::new(Self {
             spec,
-            up: spec.up.map(|r| std::sync::Mutex::new(Bucket::new(r))),
-            down: spec.down.map(|r| std::sync::Mutex::new(Bucket::new(r))),
+            up: spec.up.map(|r| parking_lot::Mutex::new(Bucket::new(r))),
+            down: spec.down.map(|r| parking_lot::Mutex::new(Bucket::new(r))),
         })
     }
 
@@ -220,8 +220,8 @@ impl SharedLink {
     }
 }
 
-fn with_bucket<T>(b: &std::sync::Mutex<Bucket>, f: impl FnOnce(&mut Bucket) -> T) -> T {
-    let mut g = b.lock().unwrap_or_else(|p| p.into_inner());
+fn with_bucket<T>(b: &parking_lot::Mutex<Bucket>, f: impl FnOnce(&mut Bucket) -> T) -> T {
+    let mut g = b.lock();
     f(&mut g)
 }
 

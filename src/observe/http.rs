@@ -6,11 +6,12 @@
 
 use super::{render, Snapshot, Source};
 use crate::net::NetHandle;
+use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -96,7 +97,8 @@ impl State {
 
     /// Notes an event for the dashboard (a join, a move, a ban...).
     pub fn event(&self, text: impl Into<String>) {
-        if let Ok(mut e) = self.events.lock() {
+        {
+            let mut e = self.events.lock();
             if e.len() >= EVENTS {
                 e.pop_front();
             }
@@ -112,28 +114,16 @@ impl State {
     /// The `/api/status` document.
     pub fn status_json(&self) -> String {
         let snap = (self.source)();
-        let swarm = self.swarm.lock().map(|s| s.clone()).unwrap_or_default();
-        let events: Vec<(f64, String)> = self
-            .events
-            .lock()
-            .map(|e| e.iter().cloned().collect())
-            .unwrap_or_default();
-        let links = self
-            .link_rates
-            .lock()
-            .map(|l| l.clone())
-            .unwrap_or_default();
+        let swarm = self.swarm.lock().clone();
+        let events: Vec<(f64, String)> = self.events.lock().iter().cloned().collect();
+        let links = self.link_rates.lock().clone();
         serde_json::json!({ "self": snap, "swarm": swarm, "events": events, "link_rates": links })
             .to_string()
     }
 
     /// The `/api/history` document.
     pub fn history_json(&self) -> String {
-        let h: Vec<Point> = self
-            .history
-            .lock()
-            .map(|h| h.iter().cloned().collect())
-            .unwrap_or_default();
+        let h: Vec<Point> = self.history.lock().iter().cloned().collect();
         serde_json::to_string(&h).unwrap_or_else(|_| "[]".into())
     }
 
@@ -156,7 +146,8 @@ impl State {
                     }
                 })
                 .collect();
-            if let Ok(mut g) = self.link_rates.lock() {
+            {
+                let mut g = self.link_rates.lock();
                 *g = rates;
             }
         }
@@ -183,7 +174,8 @@ impl State {
             .as_ref()
             .filter(|t| t.wire > 0)
             .map_or(0.0, |t| t.raw as f64 / t.wire as f64);
-        if let Ok(mut h) = self.history.lock() {
+        {
+            let mut h = self.history.lock();
             if h.len() >= HISTORY {
                 h.pop_front();
             }
@@ -275,8 +267,8 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>, pages: Pages) -> std::io
                         }
                     }
                     seen = now;
-                    if let (Ok(mut s), Ok(v)) = (st.swarm.lock(), serde_json::to_value(&runs)) {
-                        *s = v;
+                    if let Ok(v) = serde_json::to_value(&runs) {
+                        *st.swarm.lock() = v;
                     }
                 }
                 tokio::time::sleep(Duration::from_secs(2)).await;

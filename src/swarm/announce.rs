@@ -6,7 +6,8 @@ use crate::dht::{self, Announcement, Manifest};
 use crate::net::{NetError, NetHandle};
 use crate::stage::registry;
 use crate::stage::service::StageService;
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What a served stage announces, and where it keeps its latest announcement.
@@ -60,7 +61,8 @@ impl Refresh {
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
         registry::announce(&self.net, &ann, self.ttl).await?;
-        if let Ok(mut g) = self.last.lock() {
+        {
+            let mut g = self.last.lock();
             *g = Some(ann);
         }
         Ok(())

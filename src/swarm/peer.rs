@@ -16,7 +16,7 @@
 use super::events::{Event, Observer};
 use super::join::rejoin_loop;
 pub use super::join::{join, BOOTSTRAP_PATIENCE, REJOIN_EVERY};
-use super::serving::{rebalance_loop, slot_lock, Ctx, Slot};
+use super::serving::{rebalance_loop, Ctx, Slot};
 use crate::averaging::sync::{SyncError, SyncReport};
 use crate::averaging::AvgStats;
 use crate::config::StageKind;
@@ -30,9 +30,10 @@ use crate::tasks::Tasks;
 use crate::trainer::{Trainer, TrainerConfig, TrainerError};
 use candle_core::Device;
 use libp2p::Multiaddr;
+use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Where the run comes from.
@@ -351,7 +352,7 @@ impl Peer {
         };
         if let Some(stage_idx) = stage_idx {
             let serving = ctx.serve(stage_idx, &per_stage[stage_idx]).await?;
-            *slot_lock(&peer.slot) = Some(serving);
+            *peer.slot.lock() = Some(serving);
             if let Some(period) = cfg.rebalance {
                 let seed = crate::rng::derive_seed(
                     crate::dht::now_ms(),
@@ -410,9 +411,7 @@ impl Peer {
 
     /// How the state of the stage served now was downloaded, if it was.
     pub fn synced(&self) -> Option<SyncReport> {
-        slot_lock(&self.slot)
-            .as_ref()
-            .and_then(|s| s.synced.clone())
+        self.slot.lock().as_ref().and_then(|s| s.synced.clone())
     }
 
     /// The network handle.
@@ -432,7 +431,7 @@ impl Peer {
 
     /// The stage served, if any (none for a moment while migrating).
     pub fn stage(&self) -> Option<usize> {
-        slot_lock(&self.slot).as_ref().map(|s| s.service.stage())
+        self.slot.lock().as_ref().map(|s| s.service.stage())
     }
 
     /// A handle that reads what this peer serves now (its stage service and averager's
@@ -463,11 +462,7 @@ impl Peer {
     /// accounting (samples dropped on a state download, samples still held) leaves the
     /// stage with them.
     pub fn departed(&self) -> Vec<(usize, ReplicaStatus)> {
-        self.ctx
-            .departed
-            .lock()
-            .map(|d| d.clone())
-            .unwrap_or_default()
+        self.ctx.departed.lock().clone()
     }
 
     /// Migrations done by rebalancing.
@@ -488,7 +483,7 @@ impl Peer {
         }
         let _moving = self.moving.lock().await;
         self.rebalancer.shutdown(Duration::from_secs(5)).await;
-        let serving = slot_lock(&self.slot).take();
+        let serving = self.slot.lock().take();
         let mut result = Ok(());
         if let Some(serving) = serving {
             let service = self.ctx.leave(serving).await;
@@ -514,7 +509,7 @@ impl Peer {
     /// Stops at once without withdrawing anything: what a crash looks like to the swarm.
     pub async fn kill(mut self) {
         self.tasks.cancel();
-        if let Some(s) = slot_lock(&self.slot).take() {
+        if let Some(s) = self.slot.lock().take() {
             s.refresher.cancel();
         }
         if let Some(n) = self.trainer_net.take() {
@@ -527,7 +522,7 @@ impl Peer {
 impl Drop for Peer {
     fn drop(&mut self) {
         // The keepers and the rebalancer are cancelled by `_cancel`.
-        if let Some(s) = slot_lock(&self.slot).take() {
+        if let Some(s) = self.slot.lock().take() {
             s.refresher.cancel();
         }
     }
@@ -542,14 +537,13 @@ pub struct PeerWatch {
 impl PeerWatch {
     /// The stage service, if serving.
     pub fn service(&self) -> Option<Arc<StageService>> {
-        slot_lock(&self.slot)
-            .as_ref()
-            .map(|s| Arc::clone(&s.service))
+        self.slot.lock().as_ref().map(|s| Arc::clone(&s.service))
     }
 
     /// The averager's counters, when serving.
     pub fn avg_stats(&self) -> Option<Arc<AvgStats>> {
-        slot_lock(&self.slot)
+        self.slot
+            .lock()
             .as_ref()
             .map(|s| Arc::clone(s.averager.stats()))
     }

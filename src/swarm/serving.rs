@@ -17,8 +17,9 @@ use crate::stage::select;
 use crate::stage::service::{measure_throughput, ReplicaStatus, StageService};
 use crate::stage::sim::SimCompute;
 use libp2p::{Multiaddr, PeerId};
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Writes `service`'s replica to `path` as a checkpoint of `manifest`'s run, off the async
@@ -81,10 +82,6 @@ pub(super) struct Serving {
 /// The stage being served, shared with the rebalancer (empty while migrating).
 pub(super) type Slot = Arc<Mutex<Option<Serving>>>;
 
-pub(super) fn slot_lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Serving>> {
-    slot.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// What serving and migrating need, shared by the peer and its rebalancer.
 pub(super) struct Ctx {
     pub(super) net: NetHandle,
@@ -132,7 +129,7 @@ impl Ctx {
         )
         .await;
         let mut out: Vec<Vec<Announcement>> = vec![Vec::new(); count];
-        let mine = self.last.lock().ok().and_then(|g| g.clone());
+        let mine = self.last.lock().clone();
         for a in checks.into_iter().flatten().chain(mine) {
             if let Some(v) = out.get_mut(a.stage as usize) {
                 v.push(a);
@@ -368,7 +365,7 @@ impl Ctx {
     /// Leaves a stage gracefully and returns its service (closed) for a checkpoint.
     pub(super) async fn leave(&self, serving: Serving) -> Arc<StageService> {
         serving.refresher.shutdown(Duration::from_secs(5)).await;
-        let last = self.last.lock().ok().and_then(|mut g| g.take());
+        let last = self.last.lock().take();
         if let Some(a) = last {
             if let Err(e) = registry::withdraw(&self.net, &a).await {
                 // It expires with its TTL anyway.
@@ -421,7 +418,8 @@ impl Ctx {
         // stale (so no round waits on it), and count what it still holds as lost.
         serving.averager.leave();
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if let Ok(mut d) = self.departed.lock() {
+        {
+            let mut d = self.departed.lock();
             d.push((service.stage(), service.status()));
         }
         drop(serving.averager);
@@ -467,7 +465,8 @@ pub(super) async fn rebalance_loop(
     loop {
         let pause = if fast { FILL_CHECK } else { period };
         tokio::time::sleep(pause.mul_f64(0.5 + rng.next_f64())).await;
-        let current = slot_lock(&slot)
+        let current = slot
+            .lock()
             .as_ref()
             .map(|s| (s.service.stage(), s.samples_per_s));
         let Some((mine, tp)) = current else {
@@ -516,7 +515,7 @@ async fn move_to(
 ) {
     let me = ctx.net.local_peer_id().to_string();
     let _guard = moving.lock().await;
-    let Some(serving) = slot_lock(slot).take() else {
+    let Some(serving) = slot.lock().take() else {
         return;
     };
     (ctx.emit)(Event::Rebalancing { from, to });
@@ -547,5 +546,5 @@ async fn move_to(
             }
         }
     };
-    *slot_lock(slot) = serving;
+    *slot.lock() = serving;
 }

@@ -49,18 +49,12 @@ pub(super) fn pick(
     samples: u64,
     now: Instant,
 ) -> Result<Option<PeerId>, String> {
-    let Ok(mut table) = ctx.table.lock() else {
-        return Err("trainer state poisoned".into());
-    };
+    let mut table = ctx.table.lock();
     let row = &mut table[s];
     let pref = preferred.and_then(|p| row.iter().position(|(q, st)| *q == p && st.usable(now)));
     let states: Vec<ReplicaState> = row.iter().map(|(_, st)| st.clone()).collect();
     let idx = pref.or_else(|| match ctx.cfg.routing {
-        Routing::Wiring => ctx
-            .rng
-            .lock()
-            .ok()
-            .and_then(|mut rng| routing::choose(&states, samples as f64, now, &mut rng)),
+        Routing::Wiring => routing::choose(&states, samples as f64, now, &mut ctx.rng.lock()),
         Routing::RoundRobin => {
             let turn = ctx.turns[s].fetch_add(1, Ordering::Relaxed);
             routing::round_robin(&states, now, turn)
@@ -84,7 +78,7 @@ const LANE_SPEED: f64 = 0.7;
 /// routing) when `first` is unknown here or the replica is much slower than its stage's
 /// fastest.
 pub(super) fn lane(ctx: &Ctx, s: usize, first: PeerId) -> Option<PeerId> {
-    let table = ctx.table.lock().ok()?;
+    let table = ctx.table.lock();
     let mut zero: Vec<PeerId> = table.first()?.iter().map(|(p, _)| *p).collect();
     zero.sort();
     let rank = zero.iter().position(|p| *p == first)?;
@@ -106,9 +100,7 @@ pub(super) fn settle(
     samples: u64,
     outcome: Result<f64, Duration>,
 ) {
-    let Ok(mut table) = ctx.table.lock() else {
-        return;
-    };
+    let mut table = ctx.table.lock();
     if let Some((_, st)) = table[s].iter_mut().find(|(p, _)| *p == peer) {
         st.in_flight = st.in_flight.saturating_sub(1);
         match outcome {
@@ -172,9 +164,7 @@ where
         let secs = t0.elapsed().as_secs_f64();
         tracing::trace!(target: "shoal::trainer", stage = s, ms = secs * 1e3, "stage call");
         let pause = 'pause: {
-            let Ok(mut table) = ctx.table.lock() else {
-                return Err(Failure::Failed("trainer state poisoned".into()));
-            };
+            let mut table = ctx.table.lock();
             let entry = table[s].iter_mut().find(|(p, _)| *p == peer);
             match r {
                 Ok(v) => {

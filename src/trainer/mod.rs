@@ -28,9 +28,10 @@ use crate::stage::client::StageClient;
 use call::{call_stage, Failure};
 use candle_core::{Device, Tensor};
 use libp2p::PeerId;
+use parking_lot::Mutex;
 use routing::ReplicaState;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Semaphore};
 use tracing::Instrument;
@@ -227,7 +228,8 @@ impl Trainer {
                 s.completed.load(Ordering::Relaxed) + s.failed.load(Ordering::Relaxed),
             );
             s.failed.fetch_add(open, Ordering::Relaxed);
-            if let Ok(mut f) = s.failures.lock() {
+            {
+                let mut f = s.failures.lock();
                 *f.entry("stopped before the microbatch finished".into())
                     .or_default() += open;
             }
@@ -349,9 +351,7 @@ impl<'a> Owed<'a> {
     }
 
     fn adjust(&self, s: usize, peer: PeerId, up: bool) {
-        let Ok(mut table) = self.ctx.table.lock() else {
-            return;
-        };
+        let mut table = self.ctx.table.lock();
         if let Some((_, st)) = table[s].iter_mut().find(|(p, _)| *p == peer) {
             st.owed = if up {
                 st.owed + 1

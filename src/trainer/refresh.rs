@@ -48,9 +48,7 @@ pub(super) async fn refresh(ctx: &Ctx) {
         }
         fresh.push(row);
     }
-    let Ok(mut table) = ctx.table.lock() else {
-        return;
-    };
+    let mut table = ctx.table.lock();
     for (s, row) in fresh.iter_mut().enumerate() {
         for (peer, st) in row.iter_mut() {
             if let Some((_, old)) = table[s].iter().find(|(p, _)| p == peer) {

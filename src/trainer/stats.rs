@@ -1,9 +1,9 @@
 //! What a trainer loop counts: samples fed, completed and failed (with reasons), losses,
 //! swaps, and the steps its replicas reported. Read by [`super::report::Progress`].
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
 /// What a trainer counted.
 #[derive(Debug)]
@@ -70,7 +70,7 @@ impl TrainerStats {
 
     /// Mean loss of the last `n` completed microbatches.
     pub fn recent_loss(&self, n: usize) -> Option<f64> {
-        let l = self.losses.lock().ok()?;
+        let l = self.losses.lock();
         if l.is_empty() {
             return None;
         }
@@ -80,7 +80,8 @@ impl TrainerStats {
 
     /// Records a completed microbatch's loss, forgetting the oldest past [`LOSSES_KEPT`].
     pub fn record_loss(&self, step: u64, loss: f32) {
-        if let Ok(mut l) = self.losses.lock() {
+        {
+            let mut l = self.losses.lock();
             l.push_back((step, loss));
             while l.len() > LOSSES_KEPT {
                 l.pop_front();
@@ -92,7 +93,7 @@ impl TrainerStats {
     /// [`REASONS_KEPT`] distinct reasons (a remote peer writes part of them) the rest are
     /// counted as "other".
     pub fn bump(map: &Mutex<BTreeMap<String, u64>>, reason: &str, n: u64) {
-        let Ok(mut m) = map.lock() else { return };
+        let mut m = map.lock();
         let mut key: String = reason.chars().take(REASON_LEN).collect();
         if !m.contains_key(&key) && m.len() >= REASONS_KEPT {
             key = "other".into();

@@ -3,7 +3,7 @@
 //! peer with no connection wait while it is dialled and fail if the dial fails.
 
 use super::handler::Handler;
-use super::{lock, Control, OpenError, Shared};
+use super::{Control, OpenError, Shared};
 use libp2p::core::transport::PortUse;
 use libp2p::core::Endpoint;
 use libp2p::swarm::behaviour::ConnectionEstablished;
@@ -13,9 +13,10 @@ use libp2p::swarm::{
     NetworkBehaviour, THandler, THandlerInEvent, THandlerOutEvent, ToSwarm,
 };
 use libp2p::{Multiaddr, PeerId};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 /// Our stream protocols' behaviour.
@@ -55,7 +56,7 @@ impl Behaviour {
 
     fn handler(&self, conn: ConnectionId, peer: PeerId) -> Handler {
         let (tx, rx) = tokio::sync::mpsc::channel(super::OPENS_QUEUED);
-        let mut s = lock(&self.shared);
+        let mut s = self.shared.lock();
         let waiting = s.pending.remove(&peer).unwrap_or_default();
         s.connections.insert(conn, (peer, tx));
         Handler::new(peer, Arc::clone(&self.shared), rx, waiting)
@@ -91,7 +92,7 @@ impl NetworkBehaviour for Behaviour {
         match event {
             FromSwarm::ConnectionEstablished(ConnectionEstablished { .. }) => {}
             FromSwarm::ConnectionClosed(ConnectionClosed { connection_id, .. }) => {
-                lock(&self.shared).connections.remove(&connection_id);
+                self.shared.lock().connections.remove(&connection_id);
             }
             FromSwarm::DialFailure(DialFailure {
                 peer_id: Some(peer),
@@ -105,7 +106,7 @@ impl NetworkBehaviour for Behaviour {
                 ..
             }) => {
                 let why = super::super::task::one_line(&error.to_string());
-                let waiting = lock(&self.shared).pending.remove(&peer);
+                let waiting = self.shared.lock().pending.remove(&peer);
                 for open in waiting.unwrap_or_default() {
                     let _ = open.reply.send(Err(OpenError::Dial(why.clone())));
                 }

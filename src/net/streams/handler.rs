@@ -3,7 +3,7 @@
 //! overflow answer, which this handler drives); negotiates every outbound stream asked for
 //! at once, each answered on its own channel.
 
-use super::{lock, Inbound, Open, OpenError, Shared};
+use super::{Inbound, Open, OpenError, Shared};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -15,10 +15,11 @@ use libp2p::swarm::{
     ConnectionHandler, ConnectionHandlerEvent, StreamUpgradeError, SubstreamProtocol,
 };
 use libp2p::{PeerId, Stream, StreamProtocol};
+use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::future::{ready, Ready};
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 /// Negotiates one of a list of protocols; the stream comes out as it is.
@@ -93,7 +94,7 @@ impl ConnectionHandler for Handler {
     type OutboundOpenInfo = Open;
 
     fn listen_protocol(&self) -> SubstreamProtocol<Upgrade, ()> {
-        SubstreamProtocol::new(Upgrade(lock(&self.shared).protocols()), ())
+        SubstreamProtocol::new(Upgrade(self.shared.lock().protocols()), ())
     }
 
     fn poll(
@@ -125,7 +126,7 @@ impl ConnectionHandler for Handler {
                 protocol: (stream, protocol),
                 ..
             }) => {
-                let placed = lock(&self.shared).inbound(
+                let placed = self.shared.lock().inbound(
                     self.peer,
                     &self.queued,
                     stream,

@@ -20,10 +20,11 @@ use futures::channel::oneshot;
 use futures::future::BoxFuture;
 use libp2p::swarm::ConnectionId;
 use libp2p::{PeerId, Stream, StreamProtocol};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::sync::mpsc;
 
@@ -143,10 +144,6 @@ struct Shared {
     pending: HashMap<PeerId, Vec<Open>>,
     /// Peers to dial, taken by the behaviour's poll (one entry per peer being dialled).
     dial: mpsc::Sender<PeerId>,
-}
-
-fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
-    shared.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What to do with an inbound stream a handler negotiated.
@@ -272,7 +269,7 @@ impl Control {
         let (reply, rx) = oneshot::channel();
         let mut open = Open { protocol, reply };
         loop {
-            let route = lock(&self.shared).route(peer, open);
+            let route = self.shared.lock().route(peer, open);
             match route {
                 Route::Connection(tx, o) => match tx.send(o).await {
                     Ok(()) => break,
@@ -296,7 +293,7 @@ impl Control {
     /// Accepts inbound streams of `protocol` through `lane`, until the returned
     /// [`Incoming`] is dropped. Fails if the protocol is accepted already.
     pub fn accept(&self, protocol: StreamProtocol, lane: Lane) -> Result<Incoming, String> {
-        let mut s = lock(&self.shared);
+        let mut s = self.shared.lock();
         s.lanes.retain(|_, l| !l.tx.is_closed());
         if s.lanes.contains_key(&protocol) {
             return Err(format!("{protocol} is accepted already"));
@@ -309,7 +306,8 @@ impl Control {
 
     /// What happened to `protocol`'s inbound streams so far.
     pub fn counts(&self, protocol: &StreamProtocol) -> StreamCounts {
-        lock(&self.shared)
+        self.shared
+            .lock()
             .counters
             .get(protocol)
             .map(|c| c.read())

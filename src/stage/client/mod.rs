@@ -85,7 +85,7 @@ pub struct ClientCounters {
     pub step: AtomicU64,
     /// Per replica called, what it last reported and the bytes moved with it; at most
     /// [`MAX_LINKS`] replicas.
-    replicas: std::sync::Mutex<std::collections::HashMap<PeerId, PerReplica>>,
+    replicas: parking_lot::Mutex<std::collections::HashMap<PeerId, PerReplica>>,
 }
 
 /// What a client knows of one replica it called.
@@ -108,13 +108,15 @@ impl ClientCounters {
     pub fn links(&self) -> Vec<(PeerId, u64, u64)> {
         self.replicas
             .lock()
-            .map(|m| m.iter().map(|(p, r)| (*p, r.sent, r.received)).collect())
-            .unwrap_or_default()
+            .iter()
+            .map(|(p, r)| (*p, r.sent, r.received))
+            .collect()
     }
 
     /// Notes an answer of `peer` (its queue) and the bytes the call moved.
     fn count_call(&self, peer: PeerId, queue: u32, sent: u64, received: u64) {
-        if let Ok(mut m) = self.replicas.lock() {
+        {
+            let mut m = self.replicas.lock();
             if m.len() < MAX_LINKS || m.contains_key(&peer) {
                 let r = m.entry(peer).or_default();
                 r.queue = queue;
@@ -126,14 +128,14 @@ impl ClientCounters {
 
     /// The queue `peer` reported in its latest answer to this client, if it answered.
     pub fn last_queue(&self, peer: &PeerId) -> Option<u32> {
-        self.replicas.lock().ok()?.get(peer).map(|r| r.queue)
+        self.replicas.lock().get(peer).map(|r| r.queue)
     }
 }
 
 /// Streams kept open per replica and protocol after a successful call, for the next call
 /// to it on that protocol.
 type Pool =
-    std::sync::Mutex<std::collections::HashMap<(PeerId, Lane), Vec<(libp2p::Stream, Instant)>>>;
+    parking_lot::Mutex<std::collections::HashMap<(PeerId, Lane), Vec<(libp2p::Stream, Instant)>>>;
 
 /// Idle streams kept per replica.
 const POOL_CAP: usize = 64;
@@ -205,7 +207,7 @@ impl StageClient {
 
     /// A kept stream to `peer`, if one is fresh enough.
     fn pooled(&self, key: (PeerId, Lane)) -> Option<libp2p::Stream> {
-        let mut pool = self.pool.lock().ok()?;
+        let mut pool = self.pool.lock();
         let idle = pool.get_mut(&key)?;
         while let Some((s, at)) = idle.pop() {
             if at.elapsed() < POOL_IDLE {
@@ -216,7 +218,8 @@ impl StageClient {
     }
 
     fn keep(&self, key: (PeerId, Lane), stream: libp2p::Stream) {
-        if let Ok(mut pool) = self.pool.lock() {
+        {
+            let mut pool = self.pool.lock();
             let idle = pool.entry(key).or_default();
             idle.retain(|(_, at)| at.elapsed() < POOL_IDLE);
             if idle.len() < POOL_CAP {

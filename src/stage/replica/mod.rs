@@ -18,8 +18,9 @@ use crate::model::stage::Kept;
 use crate::model::{AdamW, ModelError, Stage, StageGrads, Upstream};
 use crate::wire::CodecSpec;
 use candle_core::Tensor;
+use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Forward graphs kept for their backward, unless [`Replica::with_kept_cap`] says otherwise.
 pub const KEPT_CAP: usize = 32;
@@ -170,8 +171,8 @@ impl Replica {
         self.params_step
     }
 
-    fn acc(&self) -> std::sync::MutexGuard<'_, Accum> {
-        self.accum.lock().unwrap_or_else(|p| p.into_inner())
+    fn acc(&self) -> parking_lot::MutexGuard<'_, Accum> {
+        self.accum.lock()
     }
 
     /// The gradient accumulator, which the averager freezes without waiting for compute.

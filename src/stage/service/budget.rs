@@ -2,7 +2,7 @@
 //! of its requests being read or waiting here, and of the inputs it pushed that wait for
 //! their request, are charged to it while they live.
 
-use super::{lock, Shared};
+use super::Shared;
 use libp2p::PeerId;
 use std::sync::Arc;
 
@@ -25,7 +25,7 @@ impl Held {
 
     /// Adds `bytes` if the caller's total stays within the budget.
     pub(super) fn take(&mut self, bytes: u64) -> bool {
-        let mut m = lock(&self.shared.held);
+        let mut m = self.shared.held.lock();
         let total = m.entry(self.peer).or_default();
         if total.saturating_add(bytes) > self.shared.peer_budget {
             if *total == 0 {
@@ -44,7 +44,7 @@ impl Drop for Held {
         if self.bytes == 0 {
             return;
         }
-        let mut m = lock(&self.shared.held);
+        let mut m = self.shared.held.lock();
         if let Some(t) = m.get_mut(&self.peer) {
             *t = t.saturating_sub(self.bytes);
             if *t == 0 {

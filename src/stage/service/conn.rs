@@ -4,7 +4,7 @@
 //! compute queue or the registered [`Extension`](super::Extension); write the answer.
 
 use super::budget::Held;
-use super::{lock, push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
+use super::{push, worker, Refusal, Reply, Shared, MAX_CALLER_LAG};
 use crate::net::io::{self as netio, IoError};
 use crate::stage::{sync, Lane};
 use crate::wire::msg::{self, ErrorKind, Op, Request, Response};
@@ -136,7 +136,7 @@ struct Open<'a> {
 
 impl Drop for Open<'_> {
     fn drop(&mut self) {
-        let mut m = lock(&self.shared.streams);
+        let mut m = self.shared.streams.lock();
         if let Some(n) = m.get_mut(&self.peer) {
             *n -= 1;
             if *n == 0 {
@@ -163,7 +163,10 @@ fn is_invalid(kind: ErrorKind) -> bool {
 fn note_refusal(shared: &Shared, peer: PeerId, kind: ErrorKind, why: &str) {
     if is_invalid(kind) {
         let seq = shared.strikes.fetch_add(1, Ordering::Relaxed);
-        lock(&shared.bans).strike(peer, (seq, 0), why, Instant::now());
+        shared
+            .bans
+            .lock()
+            .strike(peer, (seq, 0), why, Instant::now());
     }
 }
 
@@ -200,7 +203,7 @@ pub(super) async fn handle(
     mut stream: libp2p::Stream,
 ) {
     let over = {
-        let mut m = lock(&shared.streams);
+        let mut m = shared.streams.lock();
         let n = m.entry(peer).or_default();
         *n += 1;
         *n > MAX_STREAMS_PER_PEER
@@ -238,7 +241,7 @@ async fn serve_one(
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> bool {
-    if lock(&shared.bans).is_banned(&peer, Instant::now()) {
+    if shared.bans.lock().is_banned(&peer, Instant::now()) {
         let r = refusal(
             shared,
             ErrorKind::Banned,
@@ -320,7 +323,7 @@ async fn serve_one(
     let reply = match req.op {
         Op::Info => {
             let mut header = ok(shared, 0);
-            header.info = lock(&shared.info).clone();
+            header.info = shared.info.lock().clone();
             shared.counters.served.fetch_add(1, Ordering::Relaxed);
             Reply {
                 header,
@@ -520,7 +523,7 @@ async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>
 
 /// Hands a call to the registered extension (the averaging layer).
 async fn extension(shared: &Shared, peer: PeerId, req: Request, frames: Vec<Vec<u8>>) -> Reply {
-    let ext = lock(&shared.extension).clone();
+    let ext = shared.extension.lock().clone();
     let Some(ext) = ext else {
         return refusal(
             shared,

@@ -5,7 +5,7 @@
 //! averager's sign that stage 0 has moved on.
 
 use super::conn::refusal;
-use super::{lock, Reply, Shared};
+use super::{Reply, Shared};
 use crate::stage::sync;
 use crate::wire::msg::{ErrorKind, Request};
 use std::sync::atomic::Ordering;
@@ -41,7 +41,7 @@ pub(super) async fn hold_for_step(
         let wake = shared.sync_changed.notified();
         {
             let now = Instant::now();
-            let mut acc = lock(&shared.accum);
+            let mut acc = shared.accum.lock();
             let s = acc.params_step;
             if shared.stage != 0 {
                 // Its step open here: computed now. Closed here (one microbatch more than
@@ -64,7 +64,7 @@ pub(super) async fn hold_for_step(
                         now
                     }
                 };
-                let others = *lock(&shared.others);
+                let others = *shared.others.lock();
                 let room = sync::Room {
                     target: shared.target,
                     own: acc.count + acc.owed.at_except(s, now, req.mb),

@@ -38,8 +38,9 @@ use crate::wire::{CodecSpec, Limits};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use libp2p::PeerId;
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
@@ -193,7 +194,7 @@ struct Shared {
 
 impl Shared {
     fn step(&self) -> u64 {
-        self.status.lock().map(|s| s.params_step).unwrap_or(0)
+        self.status.lock().params_step
     }
 }
 
@@ -214,7 +215,7 @@ impl Drop for StageService {
     fn drop(&mut self) {
         self.accept.cancel();
         // Without the sender the compute thread finishes the queued jobs and exits.
-        lock(&self.shared.jobs).take();
+        self.shared.jobs.lock().take();
     }
 }
 
@@ -225,12 +226,6 @@ impl std::fmt::Debug for StageService {
             .field("stage", &self.shared.stage)
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // A panic while holding one of these locks cannot leave the data half-updated in a way
-    // that matters more than stopping would; keep serving.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl StageService {
@@ -347,7 +342,7 @@ impl StageService {
     /// Why the compute thread died, if it has (a panic): the replica refuses every call
     /// from then on; its peer withdraws it and stops.
     pub fn failure(&self) -> Option<String> {
-        lock(&self.shared.failed).clone()
+        self.shared.failed.lock().clone()
     }
 
     /// Whether [`drain`](Self::drain) was called.
@@ -360,7 +355,7 @@ impl StageService {
     /// jobs already queued.
     pub async fn close(&self) {
         self.drain();
-        lock(&self.shared.jobs).take();
+        self.shared.jobs.lock().take();
         // The loops end at once (each waits for its next stream); their per-stream tasks
         // finish the calls under way.
         self.accept.shutdown(Duration::from_secs(5)).await;
@@ -379,7 +374,7 @@ impl StageService {
     /// Frame bytes of requests being read or waiting, held against `peer`'s byte budget
     /// ([`ServiceConfig::max_bytes_per_peer`]).
     pub fn held_bytes(&self, peer: &PeerId) -> u64 {
-        lock(&self.shared.held).get(peer).copied().unwrap_or(0)
+        self.shared.held.lock().get(peer).copied().unwrap_or(0)
     }
 
     /// Synchronous calls held now for a step after this replica's: stage 0 has opened a
@@ -401,8 +396,8 @@ impl StageService {
     /// The cached training status (what is owed toward the step read afresh: owed
     /// samples time out without an event).
     pub fn status(&self) -> ReplicaStatus {
-        let mut st = lock(&self.shared.status).clone();
-        st.owed_count = lock(&self.shared.accum).owed_now();
+        let mut st = self.shared.status.lock().clone();
+        st.owed_count = self.shared.accum.lock().owed_now();
         st
     }
 
@@ -410,7 +405,7 @@ impl StageService {
     /// (stage 0's admission of synchronous microbatches reads it).
     pub fn set_others(&self, others: super::sync::Others) {
         let changed = {
-            let mut o = lock(&self.shared.others);
+            let mut o = self.shared.others.lock();
             let changed = *o != others;
             *o = others;
             changed
@@ -423,10 +418,14 @@ impl StageService {
     /// Freezes step `step`'s gradients (all accumulated so far), encoded in chunks of
     /// `chunk` values with `codec`, without waiting for compute.
     pub fn freeze(&self, step: u64, chunk: usize, codec: &CodecSpec) -> Result<Frozen, ModelError> {
-        let f = lock(&self.shared.accum).freeze(step, self.shared.numel, chunk, codec)?;
-        let (accum_step, count, frozen) = lock(&self.shared.accum).counts();
+        let f = self
+            .shared
+            .accum
+            .lock()
+            .freeze(step, self.shared.numel, chunk, codec)?;
+        let (accum_step, count, frozen) = self.shared.accum.lock().counts();
         {
-            let mut st = lock(&self.shared.status);
+            let mut st = self.shared.status.lock();
             st.accum_step = accum_step;
             st.accum_count = count;
             st.frozen_count = frozen;
@@ -443,7 +442,7 @@ impl StageService {
     /// Re-reads the training status from the replica (waits its turn behind compute).
     pub async fn refresh_status(&self) -> ReplicaStatus {
         let st = ReplicaStatus::of(&*self.shared.replica.lock().await);
-        *lock(&self.shared.status) = st.clone();
+        *self.shared.status.lock() = st.clone();
         self.shared.progress.notify_one();
         self.shared.sync_changed.notify_waiters();
         st
@@ -467,12 +466,12 @@ impl StageService {
 
     /// Answers averaging and state-download calls with `ext` from now on.
     pub fn attach(&self, ext: Arc<dyn Extension>) {
-        *lock(&self.shared.extension) = Some(ext);
+        *self.shared.extension.lock() = Some(ext);
     }
 
     /// Sets the announcement returned to `info` calls.
     pub fn set_info(&self, json: String) {
-        *lock(&self.shared.info) = Some(json);
+        *self.shared.info.lock() = Some(json);
     }
 
     /// The replica's counters.

@@ -9,12 +9,11 @@
 //! announcement is looked up again after [`RETRY`]. A refused push costs nothing but a
 //! hop: the forward answers with its output and the trainer sends it on itself.
 
-use super::lock;
 use crate::net::NetHandle;
 use crate::stage::registry;
 use libp2p::PeerId;
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a peer's announced stage is believed without looking again.
@@ -68,7 +67,7 @@ impl Neighbours {
     /// Whether `peer` is an announced replica of `stage` in this run.
     pub async fn serves(&self, peer: PeerId, stage: usize) -> bool {
         let want = stage as u32;
-        let entry = lock(&self.seen).get(&peer).copied();
+        let entry = self.seen.lock().get(&peer).copied();
         if let Some(answer) = cached(entry, want, Instant::now()) {
             return answer;
         }
@@ -76,7 +75,7 @@ impl Neighbours {
             .await
             .filter(|a| a.run == self.run)
             .map(|a| a.stage);
-        let mut m = lock(&self.seen);
+        let mut m = self.seen.lock();
         if m.len() >= REMEMBERED {
             m.clear();
         }

@@ -11,8 +11,8 @@
 //! held with it), so a peer cannot park more here than it may have in requests.
 
 use crate::wire::msg::Op;
+use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
@@ -56,7 +56,7 @@ impl Inbox {
     pub fn put(&self, mb: u64, step: u64, frame: Vec<u8>, charge: Charge) {
         let now = Instant::now();
         {
-            let mut held = super::lock(&self.held);
+            let mut held = self.held.lock();
             held.retain(|(m, _, _, at, _)| *m != mb && now.duration_since(*at) < HELD_FOR);
             while held.len() >= HELD {
                 held.pop_front();
@@ -77,7 +77,7 @@ impl Inbox {
             tokio::pin!(arrived);
             arrived.as_mut().enable();
             {
-                let mut held = super::lock(&self.held);
+                let mut held = self.held.lock();
                 if let Some(i) = held.iter().position(|(m, _, _, _, _)| *m == mb) {
                     return held.remove(i).map(|(_, step, f, _, _)| (f, step));
                 }
@@ -90,7 +90,7 @@ impl Inbox {
 
     /// Inputs held now.
     pub fn len(&self) -> usize {
-        super::lock(&self.held).len()
+        self.held.lock().len()
     }
 
     /// Whether none is held.
@@ -140,7 +140,7 @@ mod tests {
             inbox.put(mb, 0, vec![0], Box::new(()));
         }
         assert_eq!(inbox.len(), HELD);
-        let held = super::super::lock(&inbox.held);
+        let held = inbox.held.lock();
         assert_eq!(held.front().map(|e| e.0), Some(5));
     }
 

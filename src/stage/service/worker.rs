@@ -2,7 +2,7 @@
 //! the candle stage and works through it; and the start-up throughput measurement.
 
 use super::conn::{ok, refusal};
-use super::{lock, ReplicaStatus, Reply, Shared};
+use super::{ReplicaStatus, Reply, Shared};
 use crate::model::{ModelError, Stage, Upstream};
 use crate::stage::replica::Replica;
 use crate::stage::tensor;
@@ -24,7 +24,7 @@ pub(super) struct Job {
 
 pub(super) async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {
     let (tx, rx) = oneshot::channel();
-    let Some(jobs) = lock(&shared.jobs).clone() else {
+    let Some(jobs) = shared.jobs.lock().clone() else {
         return refusal(shared, ErrorKind::Overloaded, "this replica is stopping");
     };
     shared.queue.fetch_add(1, Ordering::Relaxed);
@@ -53,8 +53,8 @@ pub(super) fn run_guarded(shared: &Arc<Shared>, body: impl FnOnce()) {
     if let Err(why) = guarded(body) {
         tracing::debug!(stage = shared.stage, "the compute thread failed: {why}");
         shared.draining.store(true, Ordering::Relaxed);
-        *lock(&shared.failed) = Some(why);
-        lock(&shared.jobs).take();
+        *shared.failed.lock() = Some(why);
+        shared.jobs.lock().take();
     }
 }
 
@@ -223,7 +223,7 @@ impl Worker {
                     match r.backward_sync(&input, upstream, req.mb, req.step) {
                         Ok(v) => v,
                         Err(e) => {
-                            *lock(&self.shared.status) = ReplicaStatus::of(&r);
+                            *self.shared.status.lock() = ReplicaStatus::of(&r);
                             return Err(e.into());
                         }
                     }
@@ -234,7 +234,7 @@ impl Worker {
                 // Written while the replica is still locked: a status taken here and
                 // stored after the averager applied a step would put the step back.
                 let status = ReplicaStatus::of(&r);
-                *lock(&self.shared.status) = status;
+                *self.shared.status.lock() = status;
                 drop(r);
                 if fresh {
                     let samples = input.dims().first().copied().unwrap_or(0) as u64;
