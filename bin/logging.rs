@@ -1,5 +1,5 @@
 //! Logging of the binary: the `tracing` subscriber every command installs (stderr, text or
-//! JSON lines, filtered by `RUST_LOG` or -v/-q).
+//! JSON lines, filtered by `RUST_LOG` or -v/-q), and which panics are printed.
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum LogFormat {
@@ -31,4 +31,30 @@ pub fn init(quiet: bool, verbose: u8, format: LogFormat) {
         LogFormat::Text => fmt.try_init(),
         LogFormat::Json => fmt.json().try_init(),
     };
+}
+
+/// `shoal ... | head` closes stdout early: `println!` then panics. Exit as a Unix tool
+/// killed by SIGPIPE would (status 141), without a backtrace. A stage compute thread's
+/// panic is caught and reported by its peer in one line; other panics are unchanged.
+pub fn quiet_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        // A stage's compute thread catches its own panics: the peer withdraws the replica
+        // and exits with one line saying why, so the panic is not printed here too.
+        let compute = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("shoal-stage-"));
+        if !compute {
+            default(info);
+        }
+    }));
 }

@@ -385,32 +385,6 @@ fn train(cfg: &RunConfig, opts: &LocalOptions, events: &mut LocalEvents) -> Resu
     Ok(report)
 }
 
-/// `shoal ... | head` closes stdout early: `println!` then panics. Exit as a Unix tool
-/// killed by SIGPIPE would (status 141), without a backtrace. A stage compute thread's
-/// panic is caught and reported by its peer in one line; other panics are unchanged.
-fn quiet_broken_pipe() {
-    let default = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let msg = info
-            .payload()
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| info.payload().downcast_ref::<&str>().copied())
-            .unwrap_or("");
-        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
-            std::process::exit(141);
-        }
-        // A stage's compute thread catches its own panics: the peer withdraws the replica
-        // and exits with one line saying why, so the panic is not printed here too.
-        let compute = std::thread::current()
-            .name()
-            .is_some_and(|n| n.starts_with("shoal-stage-"));
-        if !compute {
-            default(info);
-        }
-    }));
-}
-
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(a) => {
@@ -596,7 +570,7 @@ fn single_threaded_kernels(cli: &Cli) {
 }
 
 fn main() -> ExitCode {
-    quiet_broken_pipe();
+    logging::quiet_panics();
     shoal::tune_allocator();
     let cli = Cli::parse();
     logging::init(cli.quiet, cli.verbose, cli.log_format);

@@ -233,10 +233,7 @@ impl State {
                 self.end_round(false);
             }
         }
-        {
-            let mut b = self.stats.bans.lock();
-            *b = self.guard.bans();
-        }
+        *self.stats.bans.lock() = self.guard.bans();
     }
 
     /// A debug line of this averager (`RUST_LOG=shoal::averaging=debug`, or `-vv`).
