@@ -315,11 +315,11 @@ impl State {
             r.apply(step, &avg, total, lost)
                 .map_err(|e| e.to_string())?;
             // Kept for replicas that catch up (losing it only costs them a download).
-            {
-let mut l = log.lock();
-                if let Err(e) = l.record(step, total, lost, r.params_hash(), &members, avg.chunks()) {
-                    tracing::warn!(target: "shoal::averaging", step, "cannot keep the update for replay: {e}");
-                }
+            let kept = log
+                .lock()
+                .record(step, total, lost, r.params_hash(), &members, avg.chunks());
+            if let Err(e) = kept {
+                tracing::warn!(target: "shoal::averaging", step, "cannot keep the update for replay: {e}");
             }
             Ok::<(), String>(())
         })

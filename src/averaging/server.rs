@@ -122,15 +122,21 @@ impl AvgServer {
         self
     }
 
-    fn state_update(&self, req: &Request) -> Result<Answer, Refusal> {
+    /// A kept update's chunk: found under the log's lock, read from disk off the runtime.
+    async fn state_update(&self, req: &Request) -> Result<Answer, Refusal> {
         let Some(c) = req.chunk else {
             return Err(Refusal::new(
                 ErrorKind::BadRequest,
                 "state_update without a chunk",
             ));
         };
-        let got = self.log.lock().chunk(c.step, c.index as usize);
-        let (info, frame) = got.map_err(|e| Refusal::new(ErrorKind::StaleStep, e))?;
+        let found = self.log.lock().locate(c.step, c.index as usize);
+        let (info, at) = found.map_err(|e| Refusal::new(ErrorKind::StaleStep, e))?;
+        let frame = tokio::task::spawn_blocking(move || at.read())
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|e| Refusal::new(ErrorKind::Internal, e))?;
         Ok(Answer {
             update: Some(info),
             frames: vec![frame],
@@ -325,7 +331,7 @@ impl Extension for AvgServer {
                 Op::StateInfo => self.state_info().await,
                 Op::StateChunk => self.state_chunk(&req).await,
                 Op::StateHashes => self.state_hashes(&req),
-                Op::StateUpdate => self.state_update(&req),
+                Op::StateUpdate => self.state_update(&req).await,
                 other => Err(Refusal::new(
                     ErrorKind::BadRequest,
                     format!("{other:?} is not an averaging call"),

@@ -36,9 +36,28 @@ struct Entry {
     hash: String,
     /// The replicas whose sums it holds.
     members: Vec<String>,
-    file: File,
+    /// Shared with reads in progress, which run without the log's lock.
+    file: Arc<File>,
     /// Each chunk's range in the flat gradient, offset in the file and length.
     chunks: Vec<(Range<usize>, u64, usize)>,
+}
+
+/// Where one chunk of a kept update lies on disk.
+pub struct ChunkAt {
+    file: Arc<File>,
+    offset: u64,
+    len: usize,
+}
+
+impl ChunkAt {
+    /// Reads the chunk (blocking file I/O: off the async runtime's threads).
+    pub fn read(&self) -> Result<Vec<u8>, LogError> {
+        let mut frame = vec![0u8; self.len];
+        self.file
+            .read_exact_at(&mut frame, self.offset)
+            .map_err(|err| format!("reading the update log: {err}"))?;
+        Ok(frame)
+    }
 }
 
 /// The updates a replica applied last.
@@ -80,7 +99,7 @@ impl UpdateLog {
             lost,
             hash: hash.to_string(),
             members: members.iter().map(|m| m.to_string()).collect(),
-            file,
+            file: Arc::new(file),
             chunks: index,
         });
         while self.entries.len() > KEPT {
@@ -91,6 +110,13 @@ impl UpdateLog {
 
     /// Chunk `index` of the update applied at `step`, and its description.
     pub fn chunk(&self, step: u64, index: usize) -> Result<(UpdateInfo, Vec<u8>), LogError> {
+        let (info, at) = self.locate(step, index)?;
+        Ok((info, at.read()?))
+    }
+
+    /// Where chunk `index` of the update applied at `step` lies, and its description: read
+    /// it ([`ChunkAt::read`]) without holding the log.
+    pub fn locate(&self, step: u64, index: usize) -> Result<(UpdateInfo, ChunkAt), LogError> {
         let e = self
             .entries
             .iter()
@@ -101,10 +127,6 @@ impl UpdateLog {
             .get(index)
             .cloned()
             .ok_or("update chunk index out of range")?;
-        let mut frame = vec![0u8; len];
-        e.file
-            .read_exact_at(&mut frame, offset)
-            .map_err(|err| format!("reading the update log: {err}"))?;
         Ok((
             UpdateInfo {
                 step,
@@ -116,7 +138,11 @@ impl UpdateLog {
                 end: range.end as u64,
                 members: e.members.clone(),
             },
-            frame,
+            ChunkAt {
+                file: Arc::clone(&e.file),
+                offset,
+                len,
+            },
         ))
     }
 }
