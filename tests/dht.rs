@@ -7,7 +7,7 @@
 
 use libp2p::identity::Keypair;
 use shoal::config::RunConfig;
-use shoal::dht::record::{self, parse_key, KeyKind, RecordError};
+use shoal::dht::record;
 use shoal::dht::{self, Announcement, Manifest, ManifestError};
 
 fn ann(run: &str, peer: &str, now: u64) -> Announcement {
@@ -33,22 +33,8 @@ fn ann(run: &str, peer: &str, now: u64) -> Announcement {
 
 const RUN: &str = "0123456789abcdef0123456789abcdef";
 
-/// A peer's key and its id as text.
-fn peer() -> (Keypair, String) {
-    let k = Keypair::generate_ed25519();
-    let id = k.public().to_peer_id().to_string();
-    (k, id)
-}
-
-/// `payload` in an envelope of an announcement's payload type, signed with `key` for
-/// `domain` (announcements use "shoal-announcement").
-fn signed_payload(key: &Keypair, domain: &str, payload: Vec<u8>) -> Vec<u8> {
-    libp2p::core::SignedEnvelope::new(key, domain.into(), b"/shoal/ann/2".to_vec(), payload)
-        .unwrap()
-        .into_protobuf_encoding()
-}
-
-// The record-level forged_announcement_* tests are unit tests (src/dht/record_tests.rs).
+// The record-level announcement tests (validation, expiry, forged_announcement_*) are unit
+// tests of dht::record (src/dht/record_tests.rs).
 
 #[test]
 fn manifest_is_canonical_and_checked_against_its_id() {
@@ -77,78 +63,6 @@ fn manifest_is_canonical_and_checked_against_its_id() {
     assert!(dht::validate(key.as_bytes(), m.canonical.as_bytes(), 0).is_ok());
     assert!(dht::validate(key.as_bytes(), tampered.as_bytes(), 0).is_err());
     assert!(dht::validate(key.as_bytes(), &[0xff; 10], 0).is_err());
-}
-
-#[test]
-fn announcements_validate_and_expire() {
-    let (key, me) = peer();
-    let now = 1_000_000;
-    let a = ann(RUN, &me, now);
-    let rkey = dht::announcement_key(&me);
-    assert_eq!(
-        parse_key(rkey.as_bytes()),
-        Ok(KeyKind::Announcement(me.as_str()))
-    );
-    let bytes = a.signed(&key).unwrap();
-    assert_eq!(
-        Announcement::from_bytes(&bytes, &me, now + 1),
-        Ok(a.clone())
-    );
-    assert!(dht::validate(rkey.as_bytes(), &bytes, now + 1).is_ok());
-    // Expired.
-    assert_eq!(
-        Announcement::from_bytes(&bytes, &me, now + 30_000),
-        Err(RecordError::Expired)
-    );
-    // Inconsistent values, signed by the right key.
-    let bad: [fn(&mut Announcement); 8] = [
-        |a| a.stage = 2,
-        |a| a.stages = 0,
-        |a| a.samples_per_s = f64::NAN,
-        |a| a.samples_per_s = -1.0,
-        |a| a.run = "xyz".into(),
-        |a| a.expires_ms = a.issued_ms + 11 * 60 * 1000,
-        |a| a.addrs = vec!["/ip4/1.2.3.4/tcp/1".into(); 33],
-        |a| a.v = 9,
-    ];
-    for (i, f) in bad.iter().enumerate() {
-        let mut b = a.clone();
-        f(&mut b);
-        assert!(
-            Announcement::from_bytes(&b.signed(&key).unwrap(), &me, now).is_err(),
-            "case {i} accepted"
-        );
-    }
-    // The peer field names another peer than the key (signed by the key's peer).
-    let mut other = a.clone();
-    other.peer = peer().1;
-    assert!(matches!(
-        Announcement::from_bytes(&other.signed(&key).unwrap(), &me, now),
-        Err(RecordError::Malformed(_))
-    ));
-    // Oversized, garbage, unknown fields, unknown keys.
-    let mut big = a.clone();
-    big.device = "x".repeat(9000);
-    assert!(matches!(
-        Announcement::from_bytes(&big.signed(&key).unwrap(), &me, now),
-        Err(RecordError::TooLarge(_))
-    ));
-    assert!(Announcement::from_bytes(b"\x00\x01junk", &me, now).is_err());
-    let extra = String::from_utf8(a.to_bytes())
-        .unwrap()
-        .replacen('{', "{\"evil\":1,", 1);
-    let extra = signed_payload(&key, "shoal-announcement", extra.into_bytes());
-    assert!(matches!(
-        Announcement::from_bytes(&extra, &me, now),
-        Err(RecordError::Malformed(_))
-    ));
-    assert_eq!(
-        dht::validate(b"/other/key", &bytes, now),
-        Err(RecordError::UnknownKey)
-    );
-    assert!(record::is_provider_key(dht::stage_key(RUN, 3).as_bytes()));
-    assert!(record::is_provider_key(dht::PEERS_KEY.as_bytes()));
-    assert!(!record::is_provider_key(b"/shoal/stage/zz/1"));
 }
 
 /// A peer on 127.0.0.1 with a fresh key.

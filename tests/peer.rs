@@ -445,6 +445,25 @@ async fn a_peer_behind_a_relay_serves_a_forward_call() {
     relay.stop().await.unwrap();
 }
 
+/// A peer serving stage `stage` of `cfg`'s run (its manifest written in `dir`), and a DHT
+/// client joined through it.
+async fn serving(
+    dir: &tempfile::TempDir,
+    cfg: &RunConfig,
+    stage: usize,
+) -> (Manifest, Peer, NetHandle) {
+    let (m, path) = manifest_file(dir, cfg);
+    let p = start(peer_config(
+        RunSource::File(path),
+        vec![],
+        StageChoice::Index(stage),
+    ))
+    .await
+    .unwrap();
+    let c = client(&p.addrs()[0], None).await;
+    (m, p, c)
+}
+
 /// Sends raw bytes on a stream of the protocol their request belongs to (the stage
 /// protocol when they hold no request) and returns whatever comes back.
 async fn raw(c: &NetHandle, peer: PeerId, bytes: &[u8]) -> Vec<u8> {
@@ -483,16 +502,8 @@ fn response_kind(bytes: &[u8]) -> Option<ErrorKind> {
 async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = three_stage(CodecSpec::F32);
-    let (m, path) = manifest_file(&dir, &cfg);
-    let p = start(peer_config(
-        RunSource::File(path),
-        vec![],
-        StageChoice::Index(1),
-    ))
-    .await
-    .unwrap();
+    let (m, p, c) = serving(&dir, &cfg, 1).await;
     let pid = p.net().local_peer_id();
-    let c = client(&p.addrs()[0], None).await;
     // Each sender of garbage is a new peer: three invalid requests ban their sender.
     let addr = p.addrs()[0].clone();
     let fresh = || client(&addr, None);
@@ -1268,18 +1279,10 @@ impl Extension for Inflating {
 async fn a_donor_announcing_more_update_chunks_than_the_stage_has_is_refused_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = three_stage(CodecSpec::F32);
-    let (m, path) = manifest_file(&dir, &cfg);
-    let p = start(peer_config(
-        RunSource::File(path),
-        vec![],
-        StageChoice::Index(0),
-    ))
-    .await
-    .unwrap();
+    let (m, p, c) = serving(&dir, &cfg, 0).await;
     let donor = std::sync::Arc::new(Inflating(Default::default()));
     p.service().unwrap().attach(donor.clone());
     let pid = p.net().local_peer_id();
-    let c = client(&p.addrs()[0], None).await;
     let sc = StageClient::new(c.clone(), m.id.clone(), CodecSpec::F32);
     let stage = Stage::new(&cfg, 0, &Device::Cpu).unwrap();
     let replica = std::sync::Arc::new(tokio::sync::Mutex::new(

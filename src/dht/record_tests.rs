@@ -10,25 +10,16 @@ use super::*;
 use crate::dht::{self, Announcement};
 use libp2p::identity::Keypair;
 
+/// An announcement of `peer` in run `run`, issued at `now` (from its JSON form).
 fn ann(run: &str, peer: &str, now: u64) -> Announcement {
-    Announcement {
-        v: ANN_VERSION,
-        run: run.to_string(),
-        peer: peer.to_string(),
-        addrs: vec![format!("/ip4/127.0.0.1/tcp/4001/p2p/{peer}")],
-        stage: 1,
-        stages: 2,
-        step: 3,
-        samples_per_s: 120.5,
-        device: "cpu".into(),
-        queue: 0,
-        queue_cap: 8,
-        params_hash: "00ff".into(),
-        issued_ms: now,
-        expires_ms: now + 30_000,
-        banned: Vec::new(),
-        uplink: 0,
-    }
+    serde_json::from_value(serde_json::json!({
+        "v": ANN_VERSION, "run": run, "peer": peer,
+        "addrs": [format!("/ip4/127.0.0.1/tcp/4001/p2p/{peer}")],
+        "stage": 1, "stages": 2, "step": 3, "samples_per_s": 120.5, "device": "cpu",
+        "queue": 0, "queue_cap": 8, "params_hash": "00ff",
+        "issued_ms": now, "expires_ms": now + 30_000, "banned": [], "uplink": 0,
+    }))
+    .unwrap()
 }
 
 const RUN: &str = "0123456789abcdef0123456789abcdef";
@@ -105,4 +96,76 @@ fn forged_announcement_check_accepts_a_genuine_one() {
     let bytes = a.signed(&key).unwrap();
     assert!(dht::validate(dht::announcement_key(&me).as_bytes(), &bytes, now).is_ok());
     assert_eq!(Announcement::from_bytes(&bytes, &me, now), Ok(a));
+}
+
+#[test]
+fn announcements_validate_and_expire() {
+    let (key, me) = peer();
+    let now = 1_000_000;
+    let a = ann(RUN, &me, now);
+    let rkey = dht::announcement_key(&me);
+    assert_eq!(
+        super::parse_key(rkey.as_bytes()),
+        Ok(super::KeyKind::Announcement(me.as_str()))
+    );
+    let bytes = a.signed(&key).unwrap();
+    assert_eq!(
+        Announcement::from_bytes(&bytes, &me, now + 1),
+        Ok(a.clone())
+    );
+    assert!(dht::validate(rkey.as_bytes(), &bytes, now + 1).is_ok());
+    // Expired.
+    assert_eq!(
+        Announcement::from_bytes(&bytes, &me, now + 30_000),
+        Err(RecordError::Expired)
+    );
+    // Inconsistent values, signed by the right key.
+    let bad: [fn(&mut Announcement); 8] = [
+        |a| a.stage = 2,
+        |a| a.stages = 0,
+        |a| a.samples_per_s = f64::NAN,
+        |a| a.samples_per_s = -1.0,
+        |a| a.run = "xyz".into(),
+        |a| a.expires_ms = a.issued_ms + 11 * 60 * 1000,
+        |a| a.addrs = vec!["/ip4/1.2.3.4/tcp/1".into(); 33],
+        |a| a.v = 9,
+    ];
+    for (i, f) in bad.iter().enumerate() {
+        let mut b = a.clone();
+        f(&mut b);
+        assert!(
+            Announcement::from_bytes(&b.signed(&key).unwrap(), &me, now).is_err(),
+            "case {i} accepted"
+        );
+    }
+    // The peer field names another peer than the key (signed by the key's peer).
+    let mut other = a.clone();
+    other.peer = peer().1;
+    assert!(matches!(
+        Announcement::from_bytes(&other.signed(&key).unwrap(), &me, now),
+        Err(RecordError::Malformed(_))
+    ));
+    // Oversized, garbage, unknown fields, unknown keys.
+    let mut big = a.clone();
+    big.device = "x".repeat(9000);
+    assert!(matches!(
+        Announcement::from_bytes(&big.signed(&key).unwrap(), &me, now),
+        Err(RecordError::TooLarge(_))
+    ));
+    assert!(Announcement::from_bytes(b"\x00\x01junk", &me, now).is_err());
+    let extra = String::from_utf8(a.to_bytes())
+        .unwrap()
+        .replacen('{', "{\"evil\":1,", 1);
+    let extra = signed_payload(&key, "shoal-announcement", extra.into_bytes());
+    assert!(matches!(
+        Announcement::from_bytes(&extra, &me, now),
+        Err(RecordError::Malformed(_))
+    ));
+    assert_eq!(
+        dht::validate(b"/other/key", &bytes, now),
+        Err(RecordError::UnknownKey)
+    );
+    assert!(super::is_provider_key(dht::stage_key(RUN, 3).as_bytes()));
+    assert!(super::is_provider_key(dht::PEERS_KEY.as_bytes()));
+    assert!(!super::is_provider_key(b"/shoal/stage/zz/1"));
 }
