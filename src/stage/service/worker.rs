@@ -186,6 +186,11 @@ impl Worker {
     }
 
     fn process(&self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {
+        // Unit tests only: the way to make this thread panic on demand.
+        #[cfg(test)]
+        if req.mb == tests::PANIC_MB {
+            panic!("asked to panic by a test");
+        }
         let mut r = self.shared.replica.blocking_lock();
         let input = self.input(&r, &frames[0], "input")?;
         match req.op {
@@ -322,6 +327,73 @@ pub fn measure_throughput(
 
 #[cfg(test)]
 mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        reason = "tests fail by panicking"
+    )]
+    use crate::config::RunConfig;
+    use crate::dht::Manifest;
+    use crate::model::Stage;
+    use crate::net::{self, NetConfig};
+    use crate::stage::client::StageClient;
+    use crate::stage::replica::Replica;
+    use crate::stage::service::{ServiceConfig, StageService};
+    use crate::wire::msg::ErrorKind;
+    use crate::wire::CodecSpec;
+    use candle_core::{DType, Device, Tensor};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// A microbatch id that makes the compute thread panic (unit tests only).
+    pub(super) const PANIC_MB: u64 = u64::MAX - 7;
+
+    /// The real compute thread panics on a job: the call in flight is answered, the
+    /// service records why, drains, and refuses what comes next.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_compute_thread_that_panics_fails_the_service_and_it_refuses_calls() {
+        let mut cfg = RunConfig::tiny();
+        cfg.stages.count = 2;
+        cfg.stages.cuts.clear();
+        cfg.validate().unwrap();
+        let m = Manifest::from_config(&cfg).unwrap();
+        let stage = Stage::new(&cfg, 0, &Device::Cpu).unwrap();
+        let replica = Arc::new(tokio::sync::Mutex::new(Replica::new(&cfg, stage).unwrap()));
+        let listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+        let server = net::start(NetConfig::new(
+            libp2p::identity::Keypair::generate_ed25519(),
+            listen,
+        ))
+        .unwrap();
+        let svc = StageService::start(&server, &m, replica, ServiceConfig::default()).unwrap();
+        let addr = server
+            .wait_listening(1, Duration::from_secs(5))
+            .await
+            .unwrap()[0]
+            .clone();
+        let c = net::start(NetConfig::new(
+            libp2p::identity::Keypair::generate_ed25519(),
+            vec![],
+        ))
+        .unwrap();
+        let pid = c.dial(addr).await.unwrap();
+        let sc = StageClient::new(c, m.id.clone(), CodecSpec::F32);
+        let x = Tensor::zeros(
+            (cfg.training.batch_size, cfg.model.seq_len),
+            DType::U32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert!(sc.forward(pid, 0, 0, 1, &x).await.is_ok());
+        assert_eq!(svc.failure(), None);
+        let e = sc.forward(pid, 0, 0, PANIC_MB, &x).await.unwrap_err();
+        assert_eq!(e.kind(), Some(ErrorKind::Internal), "{e}");
+        assert_eq!(svc.failure().as_deref(), Some("asked to panic by a test"));
+        assert!(svc.is_draining());
+        let e = sc.forward(pid, 0, 0, 2, &x).await.unwrap_err();
+        assert!(e.kind().is_some(), "refused, not dropped: {e}");
+    }
+
     #[test]
     fn a_panic_in_the_compute_loop_is_caught_with_its_first_line() {
         assert_eq!(super::guarded(|| {}), Ok(()));
