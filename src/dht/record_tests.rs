@@ -1,17 +1,14 @@
 //! Signed announcements: a record a peer writes about another peer, a tampered one and an
 //! unsigned one are refused; a genuine one is accepted.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    reason = "tests fail by panicking"
-)]
-
 use super::*;
 use crate::dht::{self, Announcement};
 use libp2p::identity::Keypair;
 
+/// A test's outcome: a failed step is an error, not a panic.
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
 /// An announcement of `peer` in run `run`, issued at `now` (from its JSON form).
-fn ann(run: &str, peer: &str, now: u64) -> Announcement {
+fn ann(run: &str, peer: &str, now: u64) -> Result<Announcement, serde_json::Error> {
     serde_json::from_value(serde_json::json!({
         "v": ANN_VERSION, "run": run, "peer": peer,
         "addrs": [format!("/ip4/127.0.0.1/tcp/4001/p2p/{peer}")],
@@ -19,7 +16,6 @@ fn ann(run: &str, peer: &str, now: u64) -> Announcement {
         "queue": 0, "queue_cap": 8, "params_hash": "00ff",
         "issued_ms": now, "expires_ms": now + 30_000, "banned": [], "uplink": 0,
     }))
-    .unwrap()
 }
 
 const RUN: &str = "0123456789abcdef0123456789abcdef";
@@ -33,19 +29,22 @@ fn peer() -> (Keypair, String) {
 
 /// `payload` in an envelope of an announcement's payload type, signed with `key` for
 /// `domain` (announcements use "shoal-announcement").
-fn signed_payload(key: &Keypair, domain: &str, payload: Vec<u8>) -> Vec<u8> {
+fn signed_payload(
+    key: &Keypair,
+    domain: &str,
+    payload: Vec<u8>,
+) -> Result<Vec<u8>, libp2p::identity::SigningError> {
     libp2p::core::SignedEnvelope::new(key, domain.into(), b"/shoal/ann/2".to_vec(), payload)
-        .unwrap()
-        .into_protobuf_encoding()
+        .map(|e| e.into_protobuf_encoding())
 }
 
 #[test]
-fn forged_announcement_for_another_peer_is_rejected() {
+fn forged_announcement_for_another_peer_is_rejected() -> TestResult {
     // Peer B writes a record about peer A, under A's key, signed with its own key.
     let (_, a_id) = peer();
     let (b_key, _) = peer();
     let now = 1_000_000;
-    let forged = ann(RUN, &a_id, now).signed(&b_key).unwrap();
+    let forged = ann(RUN, &a_id, now)?.signed(&b_key)?;
     let rkey = dht::announcement_key(&a_id);
     assert!(matches!(
         dht::validate(rkey.as_bytes(), &forged, now),
@@ -55,20 +54,21 @@ fn forged_announcement_for_another_peer_is_rejected() {
         Announcement::from_bytes(&forged, &a_id, now),
         Err(RecordError::Forged(_))
     ));
+    Ok(())
 }
 
 #[test]
-fn forged_announcement_with_a_tampered_field_is_rejected() {
+fn forged_announcement_with_a_tampered_field_is_rejected() -> TestResult {
     let (key, me) = peer();
     let now = 1_000_000;
-    let a = ann(RUN, &me, now);
-    let genuine = a.signed(&key).unwrap();
+    let a = ann(RUN, &me, now)?;
+    let genuine = a.signed(&key)?;
     // Change a field inside the signed bytes (the throughput, same length): the signature
     // no longer verifies.
     let at = genuine
         .windows(5)
         .position(|w| w == b"120.5")
-        .expect("the payload is in the envelope");
+        .ok_or("the payload is not in the envelope")?;
     let mut tampered = genuine.clone();
     tampered[at..at + 5].copy_from_slice(b"999.5");
     assert!(matches!(
@@ -81,34 +81,36 @@ fn forged_announcement_with_a_tampered_field_is_rejected() {
         Err(RecordError::Forged(_))
     ));
     // A different payload type or domain is not an announcement.
-    let other = signed_payload(&key, "other", a.to_bytes());
+    let other = signed_payload(&key, "other", a.to_bytes())?;
     assert!(matches!(
         Announcement::from_bytes(&other, &me, now),
         Err(RecordError::Forged(_))
     ));
+    Ok(())
 }
 
 #[test]
-fn forged_announcement_check_accepts_a_genuine_one() {
+fn forged_announcement_check_accepts_a_genuine_one() -> TestResult {
     let (key, me) = peer();
     let now = 1_000_000;
-    let a = ann(RUN, &me, now);
-    let bytes = a.signed(&key).unwrap();
+    let a = ann(RUN, &me, now)?;
+    let bytes = a.signed(&key)?;
     assert!(dht::validate(dht::announcement_key(&me).as_bytes(), &bytes, now).is_ok());
     assert_eq!(Announcement::from_bytes(&bytes, &me, now), Ok(a));
+    Ok(())
 }
 
 #[test]
-fn announcements_validate_and_expire() {
+fn announcements_validate_and_expire() -> TestResult {
     let (key, me) = peer();
     let now = 1_000_000;
-    let a = ann(RUN, &me, now);
+    let a = ann(RUN, &me, now)?;
     let rkey = dht::announcement_key(&me);
     assert_eq!(
         super::parse_key(rkey.as_bytes()),
         Ok(super::KeyKind::Announcement(me.as_str()))
     );
-    let bytes = a.signed(&key).unwrap();
+    let bytes = a.signed(&key)?;
     assert_eq!(
         Announcement::from_bytes(&bytes, &me, now + 1),
         Ok(a.clone())
@@ -134,7 +136,7 @@ fn announcements_validate_and_expire() {
         let mut b = a.clone();
         f(&mut b);
         assert!(
-            Announcement::from_bytes(&b.signed(&key).unwrap(), &me, now).is_err(),
+            Announcement::from_bytes(&b.signed(&key)?, &me, now).is_err(),
             "case {i} accepted"
         );
     }
@@ -142,21 +144,19 @@ fn announcements_validate_and_expire() {
     let mut other = a.clone();
     other.peer = peer().1;
     assert!(matches!(
-        Announcement::from_bytes(&other.signed(&key).unwrap(), &me, now),
+        Announcement::from_bytes(&other.signed(&key)?, &me, now),
         Err(RecordError::Malformed(_))
     ));
     // Oversized, garbage, unknown fields, unknown keys.
     let mut big = a.clone();
     big.device = "x".repeat(9000);
     assert!(matches!(
-        Announcement::from_bytes(&big.signed(&key).unwrap(), &me, now),
+        Announcement::from_bytes(&big.signed(&key)?, &me, now),
         Err(RecordError::TooLarge(_))
     ));
     assert!(Announcement::from_bytes(b"\x00\x01junk", &me, now).is_err());
-    let extra = String::from_utf8(a.to_bytes())
-        .unwrap()
-        .replacen('{', "{\"evil\":1,", 1);
-    let extra = signed_payload(&key, "shoal-announcement", extra.into_bytes());
+    let extra = String::from_utf8(a.to_bytes())?.replacen('{', "{\"evil\":1,", 1);
+    let extra = signed_payload(&key, "shoal-announcement", extra.into_bytes())?;
     assert!(matches!(
         Announcement::from_bytes(&extra, &me, now),
         Err(RecordError::Malformed(_))
@@ -168,4 +168,5 @@ fn announcements_validate_and_expire() {
     assert!(super::is_provider_key(dht::stage_key(RUN, 3).as_bytes()));
     assert!(super::is_provider_key(dht::PEERS_KEY.as_bytes()));
     assert!(!super::is_provider_key(b"/shoal/stage/zz/1"));
+    Ok(())
 }
