@@ -13,10 +13,10 @@
 use crate::averaging::reduce::{partition, reduce_part};
 use crate::bench::codec::normal_data;
 use crate::net::link::LinkSpec;
-use crate::net::{self, io as netio, NetConfig, NetError, NetHandle};
+use crate::net::{io as netio, NetError, NetHandle};
 use crate::wire::{self, CodecSpec, Limits, TensorData};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
-use libp2p::{Multiaddr, PeerId, StreamProtocol};
+use libp2p::{PeerId, StreamProtocol};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -226,27 +226,12 @@ pub async fn run(cfg: &AllreduceConfig) -> Result<AllreduceReport, NetError> {
             "--peers must be at least 2 and --floats at least --peers".into(),
         ));
     }
-    let listen: Multiaddr = "/ip4/127.0.0.1/tcp/0"
-        .parse()
-        .map_err(|e| NetError::Invalid(format!("{e}")))?;
     let mut nets = Vec::new();
     let mut addrs = Vec::new();
     for _ in 0..cfg.peers {
-        let mut c = NetConfig::new(
-            libp2p::identity::Keypair::generate_ed25519(),
-            vec![listen.clone()],
-        );
-        c.dht_server = false;
-        c.link = cfg.link;
-        let h = net::start(c)?;
-        let a = h
-            .wait_listening(1, Duration::from_secs(5))
-            .await?
-            .into_iter()
-            .next()
-            .ok_or_else(|| NetError::Invalid("a peer is not listening".into()))?;
+        let h = super::bench_node(Some("/ip4/127.0.0.1/tcp/0"), cfg.link)?;
+        addrs.push(super::first_addr(&h, "a peer").await?);
         nets.push(h);
-        addrs.push(a);
     }
     let ids: Vec<PeerId> = nets.iter().map(|h| h.local_peer_id()).collect();
     // Connect every pair up front, one dial at a time: streams opened while two peers

@@ -10,11 +10,12 @@
 //! none came within the call timeout. The replica's queue holds 8 calls, so a burst of
 //! hundreds is mostly refused: the point is that every stream hears back.
 
+use super::{bench_node, first_addr};
 use crate::config::RunConfig;
 use crate::dht::Manifest;
 use crate::model::{ModelError, Stage};
 use crate::net::streams::StreamCounts;
-use crate::net::{self, NetConfig, NetError, NetHandle};
+use crate::net::{NetError, NetHandle};
 use crate::stage::exchange::exchange;
 use crate::stage::replica::Replica;
 use crate::stage::service::{ServiceConfig, StageService};
@@ -22,7 +23,7 @@ use crate::stage::{tensor, STAGE_PROTOCOL};
 use crate::wire::msg::{ErrorKind, Op, Request, MSG_VERSION};
 use crate::wire::{CodecSpec, Limits};
 use candle_core::{DType, Device, Tensor};
-use libp2p::{Multiaddr, PeerId};
+use libp2p::PeerId;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,12 +104,6 @@ enum Outcome {
     Dropped,
 }
 
-fn node(listen: Vec<Multiaddr>) -> Result<NetHandle, NetError> {
-    let mut c = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), listen);
-    c.dht_server = false;
-    net::start(c)
-}
-
 /// Runs the benchmark on the current tokio runtime.
 pub async fn run(cfg: &StreamsBenchConfig) -> Result<StreamsReport, StreamsError> {
     if cfg.connections == 0 || cfg.at_once == 0 || cfg.bursts == 0 {
@@ -126,20 +121,12 @@ pub async fn run(cfg: &StreamsBenchConfig) -> Result<StreamsReport, StreamsError
         Manifest::from_config(&run_cfg).map_err(|e| StreamsError::Invalid(e.to_string()))?;
     let stage = Stage::new(&run_cfg, 0, &Device::Cpu)?;
     let replica = Arc::new(tokio::sync::Mutex::new(Replica::new(&run_cfg, stage)?));
-    let listen: Multiaddr = "/ip4/127.0.0.1/tcp/0"
-        .parse()
-        .map_err(|e| NetError::Invalid(format!("{e}")))?;
-    let server = node(vec![listen])?;
+    let server = bench_node(Some("/ip4/127.0.0.1/tcp/0"), None)?;
     let service = StageService::start(&server, &manifest, replica, ServiceConfig::default())?;
-    let addr = server
-        .wait_listening(1, Duration::from_secs(5))
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| StreamsError::Invalid("the replica is not listening".into()))?;
+    let addr = first_addr(&server, "the replica").await?;
     let mut callers = Vec::new();
     for _ in 0..cfg.connections {
-        let c = node(Vec::new())?;
+        let c = bench_node(None, None)?;
         c.dial(addr.clone()).await?;
         callers.push(c);
     }

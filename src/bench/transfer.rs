@@ -6,12 +6,13 @@
 //! answers one byte. The time covers all of that, so it is what a stage call pays for the
 //! tensor, minus compute.
 
+use super::{bench_node, first_addr};
 use crate::bench::codec::normal_data;
-use crate::net::{self, io as netio, NetConfig, NetError};
+use crate::net::{io as netio, NetError};
 use crate::wire::{self, CodecSpec, Limits};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
-use libp2p::{Multiaddr, StreamProtocol};
-use std::time::{Duration, Instant};
+use libp2p::StreamProtocol;
+use std::time::Instant;
 
 const PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/bench/transfer/1.0.0");
 
@@ -61,26 +62,14 @@ impl TransferRow {
 
 /// Runs the benchmark on the current tokio runtime.
 pub async fn run(cfg: &TransferBenchConfig) -> Result<Vec<TransferRow>, NetError> {
-    let listen: Multiaddr = if cfg.quic {
+    let listen = if cfg.quic {
         "/ip4/127.0.0.1/udp/0/quic-v1"
     } else {
         "/ip4/127.0.0.1/tcp/0"
-    }
-    .parse()
-    .map_err(|e| NetError::Invalid(format!("{e}")))?;
-    let node = |listen: Vec<Multiaddr>| {
-        let mut c = NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), listen);
-        c.dht_server = false;
-        net::start(c)
     };
-    let rx = node(vec![listen])?;
-    let tx = node(Vec::new())?;
-    let addr = rx
-        .wait_listening(1, Duration::from_secs(5))
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| NetError::Invalid("the receiver is not listening".into()))?;
+    let rx = bench_node(Some(listen), None)?;
+    let tx = bench_node(None, None)?;
+    let addr = first_addr(&rx, "the receiver").await?;
     let mut incoming = rx.accept(PROTOCOL)?;
     let server = tokio::spawn(async move {
         let limits = Limits::default();

@@ -210,9 +210,9 @@ impl Shared {
         }
     }
 
-    /// A channel to a live connection to `peer`, or none (then `open` waits in
-    /// `pending` while the peer is dialled, and is given back only if the dial cannot be
-    /// asked for).
+    /// A channel to a live connection to `peer`; else `open` waits in `pending` while
+    /// the peer is dialled, or, when no dial can be asked for, is dropped (its opener
+    /// then fails).
     fn route(&mut self, peer: PeerId, open: Open) -> Route {
         if let Some((_, tx)) = self
             .connections
