@@ -388,6 +388,14 @@ mod tests {
         assert_eq!(svc.failure(), None);
         let e = sc.forward(pid, 0, 0, PANIC_MB, &x).await.unwrap_err();
         assert_eq!(e.kind(), Some(ErrorKind::Internal), "{e}");
+        // The call's answer goes out while the thread unwinds; the failure is recorded
+        // once the unwinding is caught, a moment later.
+        for _ in 0..100 {
+            if svc.failure().is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         assert_eq!(svc.failure().as_deref(), Some("asked to panic by a test"));
         assert!(svc.is_draining());
         let e = sc.forward(pid, 0, 0, 2, &x).await.unwrap_err();
