@@ -498,10 +498,7 @@ impl State {
         let len = self.n * 3;
         let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng, None).await;
         if let Err(e) = &r {
-            {
-                let mut g = self.stats.last_error.lock();
-                *g = Some(e.to_string());
-            }
+            *self.stats.last_error.lock() = Some(e.to_string());
         }
         if let Ok((snap, _)) = r {
             let r2 = Arc::clone(&replica);

@@ -266,19 +266,15 @@ pub(super) async fn bulk_sender(
                 let floats = wire::header::parse_header(&frame, &Limits::default())
                     .map_or(0, |(h, _)| h.elements());
                 let started = Instant::now();
-                {
-                    let mut m = meter.lock();
-                    m.start(started);
-                }
+                meter.lock().start(started);
                 let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
                     is_live(job.key)
                 })
                 .await;
                 let sent = if ok { frame.len() as u64 } else { 0 };
-                {
-                    let mut m = meter.lock();
-                    m.end(sent, started, Instant::now(), &stats.uplink);
-                }
+                meter
+                    .lock()
+                    .end(sent, started, Instant::now(), &stats.uplink);
                 if ok {
                     stats.bytes_sent.fetch_add(sent, Ordering::Relaxed);
                     stats

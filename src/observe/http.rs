@@ -146,10 +146,7 @@ impl State {
                     }
                 })
                 .collect();
-            {
-                let mut g = self.link_rates.lock();
-                *g = rates;
-            }
+            *self.link_rates.lock() = rates;
         }
         let (rate, wire_rate) = match last {
             Some((t, prev)) if now > *t => {

@@ -61,10 +61,7 @@ impl Refresh {
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
         registry::announce(&self.net, &ann, self.ttl).await?;
-        {
-            let mut g = self.last.lock();
-            *g = Some(ann);
-        }
+        *self.last.lock() = Some(ann);
         Ok(())
     }
 

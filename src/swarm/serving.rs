@@ -418,10 +418,9 @@ impl Ctx {
         // stale (so no round waits on it), and count what it still holds as lost.
         serving.averager.leave();
         tokio::time::sleep(Duration::from_millis(200)).await;
-        {
-            let mut d = self.departed.lock();
-            d.push((service.stage(), service.status()));
-        }
+        self.departed
+            .lock()
+            .push((service.stage(), service.status()));
         drop(serving.averager);
         service
     }
