@@ -47,7 +47,7 @@ pub fn request(data: &[u8]) {
         let Ok(req) = msg::decode_request(&head) else {
             return;
         };
-        let wants = expect.wants(req.op);
+        let wants = expect.wants(req.op());
         for i in 0..req.tensors as usize {
             let want = wants.get(i).copied();
             let f = read_frame_checked(&mut r, &limits, |h| match want {
@@ -57,7 +57,7 @@ pub fn request(data: &[u8]) {
             .await;
             let Ok(f) = f else { return };
             if let Ok(t) = wire::decode(&f, &limits) {
-                assert_eq!(t.shape.len(), if req.op == Op::Avg { 1 } else { 3 });
+                assert_eq!(t.shape.len(), if req.op() == Op::Avg { 1 } else { 3 });
             }
         }
     });

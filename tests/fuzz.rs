@@ -24,7 +24,8 @@ mod targets;
 use shoal::config::RunConfig;
 use shoal::rng::Rng;
 use shoal::wire::msg::{
-    self, AvgMsg, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, UpdateInfo, MSG_VERSION,
+    self, AvgMsg, Call, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, UpdateInfo,
+    MSG_VERSION,
 };
 use shoal::wire::{self, CodecSpec};
 use std::time::{Duration, Instant};
@@ -55,19 +56,31 @@ fn message<T: serde::Serialize>(header: &T, frames: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
-fn request(op: Op, tensors: u8) -> Request {
+fn request(call: Call, tensors: u8) -> Request {
     Request {
         v: MSG_VERSION,
         run: "ab".repeat(16),
         stage: 1,
         step: 3,
-        mb: 7,
-        op,
         tensors,
-        avg: None,
-        chunk: None,
+        call,
+    }
+}
+
+fn forward() -> Call {
+    Call::Forward {
+        mb: 7,
         dry: false,
         push_to: None,
+        pushed: false,
+        sync: false,
+    }
+}
+
+fn backward() -> Call {
+    Call::Backward {
+        mb: 7,
+        dry: false,
         pushed: false,
         sync: false,
     }
@@ -112,25 +125,23 @@ fn avg_msgs() -> Vec<AvgMsg> {
 
 fn requests() -> Vec<Request> {
     let mut out = vec![
-        request(Op::Forward, 1),
-        request(Op::Backward, 2),
-        request(Op::Info, 0),
-        request(Op::Push, 1),
+        request(forward(), 1),
+        request(backward(), 2),
+        request(Call::Info {}, 0),
+        request(Call::Push { mb: 7 }, 1),
+        request(Call::StateInfo {}, 0),
     ];
-    for m in avg_msgs() {
-        let mut r = request(Op::Avg, u8::from(matches!(m, AvgMsg::Part { .. })));
-        r.avg = Some(m);
-        out.push(r);
+    for avg in avg_msgs() {
+        let tensors = u8::from(matches!(avg, AvgMsg::Part { .. }));
+        out.push(request(Call::Avg { avg }, tensors));
     }
-    for op in [
-        Op::StateInfo,
-        Op::StateChunk,
-        Op::StateHashes,
-        Op::StateUpdate,
+    let chunk = ChunkReq { step: 4, index: 3 };
+    for call in [
+        Call::StateChunk { chunk },
+        Call::StateHashes { chunk },
+        Call::StateUpdate { chunk },
     ] {
-        let mut r = request(op, 0);
-        r.chunk = Some(ChunkReq { step: 4, index: 3 });
-        out.push(r);
+        out.push(request(call, 0));
     }
     out
 }
@@ -300,11 +311,11 @@ fn fuzz_request_reading() {
     );
     let hidden = frame_f32(&[b, s, d], "int8");
     let mut seeds = vec![
-        message(&request(Op::Forward, 1), std::slice::from_ref(&hidden)),
-        message(&request(Op::Backward, 2), &[hidden.clone(), hidden]),
-        message(&request(Op::Info, 0), &[]),
+        message(&request(forward(), 1), std::slice::from_ref(&hidden)),
+        message(&request(backward(), 2), &[hidden.clone(), hidden]),
+        message(&request(Call::Info {}, 0), &[]),
     ];
-    for r in requests().into_iter().filter(|r| r.op == Op::Avg) {
+    for r in requests().into_iter().filter(|r| r.op() == Op::Avg) {
         let frames: Vec<Vec<u8>> = (0..r.tensors).map(|_| frame_f32(&[300], "int8")).collect();
         seeds.push(message(&r, &frames));
     }
@@ -367,10 +378,10 @@ fn every_message_header_round_trips_and_survives_truncation_and_flipped_bytes() 
         header_properties(&r, msg::decode_response);
     }
     // A header of another version or with too many tensors is refused by its reader.
-    let mut r = request(Op::Forward, 1);
+    let mut r = request(forward(), 1);
     r.v = MSG_VERSION + 1;
     assert!(msg::decode_request(&msg::encode_header(&r)[4..]).is_err());
-    let mut r = request(Op::Forward, 1);
+    let mut r = request(forward(), 1);
     r.tensors = 200;
     assert!(msg::decode_request(&msg::encode_header(&r)[4..]).is_err());
 }

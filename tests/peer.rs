@@ -21,7 +21,7 @@ use shoal::stage::service::{Answer, Extension, Refusal, MAX_CALLER_LAG};
 use shoal::stage::{registry, Lane, STAGE_PROTOCOL};
 use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
 use shoal::train::{stage_checkpoint, train_local, LocalOptions};
-use shoal::wire::msg::{ErrorKind, Op, Request, HASH_PAGE, MSG_VERSION};
+use shoal::wire::msg::{Call, ErrorKind, Op, Request, HASH_PAGE, MSG_VERSION};
 use shoal::wire::{CodecSpec, Limits};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -472,7 +472,7 @@ async fn raw(c: &NetHandle, peer: PeerId, bytes: &[u8]) -> Vec<u8> {
         .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize)
         .and_then(|n| bytes.get(4..4 + n))
         .and_then(|h| shoal::wire::msg::decode_request(h).ok())
-        .map(|r| r.op);
+        .map(|r| r.op());
     let protocol = op.map_or(STAGE_PROTOCOL, |op| Lane::of(op).protocol());
     let mut s = c.open_stream(peer, protocol).await.unwrap();
     // A replica that refused early stops reading: the rest of a large write then waits on
@@ -483,6 +483,17 @@ async fn raw(c: &NetHandle, peer: PeerId, bytes: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
     out
+}
+
+/// A plain forward of microbatch `mb`.
+fn forward_call(mb: u64) -> Call {
+    Call::Forward {
+        mb,
+        dry: false,
+        push_to: None,
+        pushed: false,
+        sync: false,
+    }
 }
 
 fn header_bytes(req: &Request) -> Vec<u8> {
@@ -515,15 +526,8 @@ async fn garbage_gets_an_error_and_the_peer_keeps_serving() {
         run: m.id.clone(),
         stage: 1,
         step: 0,
-        mb: 1,
-        op: Op::Forward,
         tensors,
-        avg: None,
-        chunk: None,
-        dry: false,
-        push_to: None,
-        pushed: false,
-        sync: false,
+        call: forward_call(1),
     };
     let check_alive = || async {
         let out = sc
@@ -697,20 +701,28 @@ async fn every_request_kind_refuses_bad_input_and_a_slow_sender_is_dropped() {
         run: m.id.clone(),
         stage: 1,
         step: 0,
-        mb: 9,
-        op,
         tensors,
-        avg: (op == Op::Avg).then_some(shoal::wire::msg::AvgMsg::Part {
-            step: 0,
-            attempt: 1,
-            count: 1,
-            chunk: 0,
-        }),
-        chunk: None,
-        dry: false,
-        push_to: None,
-        pushed: false,
-        sync: false,
+        call: match op {
+            Op::Forward => forward_call(9),
+            Op::Backward => Call::Backward {
+                mb: 9,
+                dry: false,
+                pushed: false,
+                sync: false,
+            },
+            Op::Avg => Call::Avg {
+                avg: shoal::wire::msg::AvgMsg::Part {
+                    step: 0,
+                    attempt: 1,
+                    count: 1,
+                    chunk: 0,
+                },
+            },
+            Op::StateChunk => Call::StateChunk {
+                chunk: shoal::wire::msg::ChunkReq { step: 0, index: 0 },
+            },
+            _ => Call::Info {},
+        },
     };
     let message = |r: &Request, frames: &[Vec<u8>]| {
         let mut out = shoal::wire::msg::encode_header(r);
@@ -863,15 +875,8 @@ async fn a_caller_over_its_byte_budget_is_answered_overloaded_and_others_are_ser
         run: m.id.clone(),
         stage: 1,
         step: 0,
-        mb: 1,
-        op: Op::Forward,
         tensors: 1,
-        avg: None,
-        chunk: None,
-        dry: false,
-        push_to: None,
-        pushed: false,
-        sync: false,
+        call: forward_call(1),
     };
     let mut bytes = shoal::wire::msg::encode_header(&request);
     bytes.extend_from_slice(&(hidden.len() as u64).to_le_bytes());
@@ -1148,7 +1153,7 @@ impl Extension for Corrupting {
         frames: Vec<Vec<u8>>,
     ) -> futures::future::BoxFuture<'_, Result<Answer, Refusal>> {
         Box::pin(async move {
-            let op = req.op;
+            let op = req.op();
             let mut a = self.0.call(peer, req, frames).await?;
             if op == Op::StateChunk {
                 for f in &mut a.frames {
@@ -1252,7 +1257,7 @@ impl Extension for Inflating {
     ) -> futures::future::BoxFuture<'_, Result<Answer, Refusal>> {
         Box::pin(async move {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let step = req.chunk.map_or(0, |c| c.step);
+            let step = req.call.chunk().map_or(0, |c| c.step);
             let mut frame = Vec::new();
             shoal::wire::encode_f32(&[4], &[0.0; 4], &CodecSpec::F32, &mut frame).unwrap();
             Ok(Answer {

@@ -13,7 +13,7 @@
 //! - [`updates`]: the updates a replica applied last, replayed by replicas catching up.
 //! - this module: the config, the counters and the handle.
 //!
-//! Protocol (all messages are `Op::Avg` calls between the replicas of one stage):
+//! Protocol (all messages are `Call::Avg` calls between the replicas of one stage):
 //! 1. Every replica sends `Progress` (steps, samples accumulated and frozen, parameter hash)
 //!    after each backward and as a heartbeat. A replica is live while its progress is fresh.
 //! 2. The leader, the live replica with the smallest peer id among those at its step, sees

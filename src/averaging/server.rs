@@ -7,7 +7,7 @@ use super::spill::Spill;
 use super::updates::UpdateLog;
 use crate::stage::replica::Replica;
 use crate::stage::service::{Answer, Extension, Refusal};
-use crate::wire::msg::{AvgMsg, ErrorKind, Op, Request, StateInfo, HASH_PAGE};
+use crate::wire::msg::{AvgMsg, Call, ChunkReq, ErrorKind, Request, StateInfo, HASH_PAGE};
 use crate::wire::CodecSpec;
 use futures::future::BoxFuture;
 use libp2p::PeerId;
@@ -123,13 +123,7 @@ impl AvgServer {
     }
 
     /// A kept update's chunk: found under the log's lock, read from disk off the runtime.
-    async fn state_update(&self, req: &Request) -> Result<Answer, Refusal> {
-        let Some(c) = req.chunk else {
-            return Err(Refusal::new(
-                ErrorKind::BadRequest,
-                "state_update without a chunk",
-            ));
-        };
+    async fn state_update(&self, c: ChunkReq) -> Result<Answer, Refusal> {
         let found = self.log.lock().locate(c.step, c.index as usize);
         let (info, at) = found.map_err(|e| Refusal::new(ErrorKind::StaleStep, e))?;
         let frame = tokio::task::spawn_blocking(move || at.read())
@@ -148,13 +142,7 @@ impl AvgServer {
         self.snapshots.lock()
     }
 
-    fn message(&self, peer: PeerId, req: Request, frames: Vec<Vec<u8>>) -> Result<Answer, Refusal> {
-        let Some(msg) = req.avg else {
-            return Err(Refusal::new(
-                ErrorKind::BadRequest,
-                "avg request without a message",
-            ));
-        };
+    fn message(&self, peer: PeerId, msg: AvgMsg, frames: Vec<Vec<u8>>) -> Result<Answer, Refusal> {
         if let AvgMsg::Part { step, attempt, .. } | AvgMsg::Reduced { step, attempt, .. } = &msg {
             let now = self.inbox.step.load(Ordering::Relaxed);
             if *step < now {
@@ -249,13 +237,7 @@ impl AvgServer {
     }
 
     /// The snapshot a chunk or hash-page request names.
-    fn entry(&self, req: &Request) -> Result<(Arc<SnapshotEntry>, usize), Refusal> {
-        let Some(c) = req.chunk else {
-            return Err(Refusal::new(
-                ErrorKind::BadRequest,
-                format!("{:?} without a chunk", req.op),
-            ));
-        };
+    fn entry(&self, c: ChunkReq) -> Result<(Arc<SnapshotEntry>, usize), Refusal> {
         let entry = self
             .snapshots()
             .iter()
@@ -273,8 +255,8 @@ impl AvgServer {
         Ok((entry, c.index as usize))
     }
 
-    fn state_hashes(&self, req: &Request) -> Result<Answer, Refusal> {
-        let (entry, page) = self.entry(req)?;
+    fn state_hashes(&self, c: ChunkReq) -> Result<Answer, Refusal> {
+        let (entry, page) = self.entry(c)?;
         let hashes = entry.spill.hashes();
         let start = page.saturating_mul(HASH_PAGE);
         if start >= hashes.len() {
@@ -290,8 +272,8 @@ impl AvgServer {
         })
     }
 
-    async fn state_chunk(&self, req: &Request) -> Result<Answer, Refusal> {
-        let (entry, index) = self.entry(req)?;
+    async fn state_chunk(&self, c: ChunkReq) -> Result<Answer, Refusal> {
+        let (entry, index) = self.entry(c)?;
         let start = index.saturating_mul(self.chunk);
         if start >= entry.spill.len() {
             return Err(Refusal::new(
@@ -326,15 +308,15 @@ impl Extension for AvgServer {
         frames: Vec<Vec<u8>>,
     ) -> BoxFuture<'_, Result<Answer, Refusal>> {
         Box::pin(async move {
-            match req.op {
-                Op::Avg => self.message(peer, req, frames),
-                Op::StateInfo => self.state_info().await,
-                Op::StateChunk => self.state_chunk(&req).await,
-                Op::StateHashes => self.state_hashes(&req),
-                Op::StateUpdate => self.state_update(&req).await,
+            match req.call {
+                Call::Avg { avg } => self.message(peer, avg, frames),
+                Call::StateInfo {} => self.state_info().await,
+                Call::StateChunk { chunk } => self.state_chunk(chunk).await,
+                Call::StateHashes { chunk } => self.state_hashes(chunk),
+                Call::StateUpdate { chunk } => self.state_update(chunk).await,
                 other => Err(Refusal::new(
                     ErrorKind::BadRequest,
-                    format!("{other:?} is not an averaging call"),
+                    format!("{:?} is not an averaging call", other.op()),
                 )),
             }
         })
@@ -346,7 +328,6 @@ mod tests {
     use super::*;
     use crate::config::RunConfig;
     use crate::model::Stage;
-    use crate::wire::msg::MSG_VERSION;
 
     fn server(budget_bytes: usize) -> (AvgServer, mpsc::Receiver<Inbound>, Inbox) {
         let cfg = RunConfig::tiny();
@@ -357,26 +338,12 @@ mod tests {
         (AvgServer::new(inbox.clone(), replica, 64), rx, inbox)
     }
 
-    fn part(step: u64) -> Request {
-        Request {
-            v: MSG_VERSION,
-            run: "r".into(),
-            stage: 0,
-            step: 0,
-            mb: 0,
-            op: Op::Avg,
-            tensors: 1,
-            avg: Some(AvgMsg::Part {
-                step,
-                attempt: 1,
-                count: 4,
-                chunk: 0,
-            }),
-            chunk: None,
-            dry: false,
-            push_to: None,
-            pushed: false,
-            sync: false,
+    fn part(step: u64) -> AvgMsg {
+        AvgMsg::Part {
+            step,
+            attempt: 1,
+            count: 4,
+            chunk: 0,
         }
     }
 
@@ -420,8 +387,7 @@ mod tests {
         drop(rx.try_recv().unwrap());
         srv.message(peer, part(4), vec![vec![0u8; 10]]).unwrap();
         // Control messages are not tied to a step.
-        let mut leave = part(0);
-        leave.avg = Some(AvgMsg::Leave { pending: 1 });
-        srv.message(peer, leave, Vec::new()).unwrap();
+        srv.message(peer, AvgMsg::Leave { pending: 1 }, Vec::new())
+            .unwrap();
     }
 }

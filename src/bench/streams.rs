@@ -20,7 +20,7 @@ use crate::stage::exchange::exchange;
 use crate::stage::replica::Replica;
 use crate::stage::service::{ServiceConfig, StageService};
 use crate::stage::{tensor, STAGE_PROTOCOL};
-use crate::wire::msg::{ErrorKind, Op, Request, MSG_VERSION};
+use crate::wire::msg::{Call, ErrorKind, Request, MSG_VERSION};
 use crate::wire::{CodecSpec, Limits};
 use candle_core::{DType, Device, Tensor};
 use libp2p::PeerId;
@@ -146,15 +146,14 @@ pub async fn run(cfg: &StreamsBenchConfig) -> Result<StreamsReport, StreamsError
         run: manifest.id.clone(),
         stage: 0,
         step: 0,
-        mb: 0,
-        op: Op::Forward,
         tensors: 1,
-        avg: None,
-        chunk: None,
-        dry: true,
-        push_to: None,
-        pushed: false,
-        sync: false,
+        call: Call::Forward {
+            mb: 0,
+            dry: true,
+            push_to: None,
+            pushed: false,
+            sync: false,
+        },
     });
     let t0 = Instant::now();
     let mut outcomes = Vec::new();

@@ -160,10 +160,10 @@ fn ms_since(t0: Instant) -> f64 {
 }
 
 /// Runs one microbatch forward and backward through the swarm, one replica per stage,
-/// as a probe ([`crate::wire::msg::Request::dry`]): the replicas accumulate nothing, so a probe
-/// never changes training, and a swarm at any step answers. Fails only when a stage is
-/// missing or broken (a call fails, a loss or gradient is not finite, or with `check` at
-/// step 0 the loss is not the local pass's), saying which.
+/// as a probe (`dry` in [`crate::wire::msg::Call::Forward`]): the replicas accumulate
+/// nothing, so a probe never changes training, and a swarm at any step answers. Fails
+/// only when a stage is missing or broken (a call fails, a loss or gradient is not
+/// finite, or with `check` at step 0 the loss is not the local pass's), saying which.
 pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeReport, ProbeError> {
     let cfg = &m.config;
     let count = cfg.stages.count;

@@ -11,7 +11,7 @@ use super::{tensor, Lane};
 use crate::net::io::{self as netio, IoError};
 use crate::net::{NetError, NetHandle};
 use crate::wire::msg::{
-    AvgMsg, ChunkReq, ErrorKind, Op, Request, Response, StateInfo, MSG_VERSION,
+    AvgMsg, Call, ChunkReq, ErrorKind, Request, Response, StateInfo, MSG_VERSION,
 };
 use crate::wire::{CodecSpec, Limits, WireError};
 use candle_core::{Device, Tensor};
@@ -161,7 +161,7 @@ pub struct StageClient {
     counters: Arc<ClientCounters>,
     pool: Arc<Pool>,
     sending: Arc<tokio::sync::Semaphore>,
-    /// Forwards and backwards belong to synchronous steps ([`Request::sync`]).
+    /// Forwards and backwards belong to synchronous steps ([`Call::Forward`]'s `sync`).
     sync: bool,
 }
 
@@ -197,7 +197,7 @@ impl StageClient {
         }
     }
 
-    /// Marks this client's forwards and backwards as synchronous ([`Request::sync`]): the
+    /// Marks this client's forwards and backwards as synchronous ([`Call::Forward`]'s `sync`): the
     /// `step` they carry is the step their microbatch belongs to (on stage 0's forward, the
     /// step it asks for at the earliest).
     pub fn with_sync(mut self, sync: bool) -> Self {
@@ -238,7 +238,7 @@ impl StageClient {
         req: &Request,
         frames: &[&[u8]],
     ) -> Result<(Response, Vec<Vec<u8>>), CallError> {
-        let lane = Lane::of(req.op);
+        let lane = Lane::of(req.op());
         let key = (peer, lane);
         if let Some(stream) = self.pooled(key) {
             let (r, back) = exchange_kept(stream, req, frames, &self.limits, &self.sending).await;
@@ -294,21 +294,36 @@ impl StageClient {
         self
     }
 
-    fn request(&self, stage: usize, step: u64, mb: u64, op: Op, tensors: u8) -> Request {
+    fn request(&self, stage: usize, step: u64, call: Call, tensors: u8) -> Request {
         Request {
             v: MSG_VERSION,
             run: self.run.clone(),
             stage: stage as u32,
             step,
-            mb,
-            op,
             tensors,
-            avg: None,
-            chunk: None,
-            dry: false,
-            push_to: None,
+            call,
+        }
+    }
+
+    /// A forward of microbatch `mb` (synchronous when the client is), its output pushed to
+    /// `push_to` when given.
+    fn forward_call(&self, mb: u64, dry: bool, push_to: Option<String>) -> Call {
+        Call::Forward {
+            mb,
+            dry,
+            push_to,
             pushed: false,
-            sync: self.sync && matches!(op, Op::Forward | Op::Backward),
+            sync: self.sync,
+        }
+    }
+
+    /// A backward of microbatch `mb` (synchronous when the client is).
+    fn backward_call(&self, mb: u64, dry: bool, pushed: bool) -> Call {
+        Call::Backward {
+            mb,
+            dry,
+            pushed,
+            sync: self.sync,
         }
     }
 
@@ -366,21 +381,18 @@ impl StageClient {
         mb: u64,
         input: &Tensor,
     ) -> Result<(Tensor, u64), CallError> {
-        let req = self.request(stage, step, mb, Op::Forward, 1);
+        let req = self.request(stage, step, self.forward_call(mb, false, None), 1);
         self.forward_req(peer, &req, input).await
     }
 
-    /// A probe's forward ([`Request::dry`]): the replica keeps nothing, whatever its step.
+    /// A probe's forward (`dry`): the replica keeps nothing, whatever its step.
     pub async fn probe_forward(
         &self,
         peer: PeerId,
         stage: usize,
         input: &Tensor,
     ) -> Result<Tensor, CallError> {
-        let req = Request {
-            dry: true,
-            ..self.request(stage, 0, 0, Op::Forward, 1)
-        };
+        let req = self.request(stage, 0, self.forward_call(0, true, None), 1);
         Ok(self.forward_req(peer, &req, input).await?.0)
     }
 
@@ -411,11 +423,11 @@ impl StageClient {
         input: &Tensor,
         upstream: &Tensor,
     ) -> Result<BackwardReply, CallError> {
-        let req = self.request(stage, step, mb, Op::Backward, 2);
+        let req = self.request(stage, step, self.backward_call(mb, false, false), 2);
         self.backward_req(peer, &req, input, upstream).await
     }
 
-    /// A probe's backward ([`Request::dry`]): the loss and input gradient come back, the
+    /// A probe's backward (`dry`): the loss and input gradient come back, the
     /// replica accumulates nothing (the run's training is untouched), whatever its step.
     pub async fn probe_backward(
         &self,
@@ -424,10 +436,7 @@ impl StageClient {
         input: &Tensor,
         upstream: &Tensor,
     ) -> Result<BackwardReply, CallError> {
-        let req = Request {
-            dry: true,
-            ..self.request(stage, 0, 0, Op::Backward, 2)
-        };
+        let req = self.request(stage, 0, self.backward_call(0, true, false), 2);
         self.backward_req(peer, &req, input, upstream).await
     }
 
@@ -463,14 +472,13 @@ impl StageClient {
         frame: Option<&[u8]>,
     ) -> Result<(), CallError> {
         let frames: Vec<&[u8]> = frame.into_iter().collect();
-        let mut req = self.request(stage, 0, 0, Op::Avg, frames.len() as u8);
-        req.avg = Some(msg);
+        let req = self.request(stage, 0, Call::Avg { avg: msg }, frames.len() as u8);
         self.call(peer, &req, &frames).await.map(|_| ())
     }
 
     /// Asks a replica for a snapshot of its state.
     pub async fn state_info(&self, peer: PeerId, stage: usize) -> Result<StateInfo, CallError> {
-        let req = self.request(stage, 0, 0, Op::StateInfo, 0);
+        let req = self.request(stage, 0, Call::StateInfo {}, 0);
         let (header, _) = self.call(peer, &req, &[]).await?;
         header
             .state
@@ -485,8 +493,8 @@ impl StageClient {
         step: u64,
         index: u32,
     ) -> Result<Vec<f32>, CallError> {
-        let mut req = self.request(stage, 0, 0, Op::StateChunk, 0);
-        req.chunk = Some(ChunkReq { step, index });
+        let chunk = ChunkReq { step, index };
+        let req = self.request(stage, 0, Call::StateChunk { chunk }, 0);
         let (_, frames) = self.call(peer, &req, &[]).await?;
         let f = frames
             .first()
@@ -507,8 +515,8 @@ impl StageClient {
         step: u64,
         page: u32,
     ) -> Result<Vec<String>, CallError> {
-        let mut req = self.request(stage, 0, 0, Op::StateHashes, 0);
-        req.chunk = Some(ChunkReq { step, index: page });
+        let chunk = ChunkReq { step, index: page };
+        let req = self.request(stage, 0, Call::StateHashes { chunk }, 0);
         let (header, _) = self.call(peer, &req, &[]).await?;
         header
             .hashes
@@ -524,8 +532,8 @@ impl StageClient {
         step: u64,
         index: u32,
     ) -> Result<(crate::wire::msg::UpdateInfo, Vec<u8>), CallError> {
-        let mut req = self.request(stage, 0, 0, Op::StateUpdate, 0);
-        req.chunk = Some(ChunkReq { step, index });
+        let chunk = ChunkReq { step, index };
+        let req = self.request(stage, 0, Call::StateUpdate { chunk }, 0);
         let (header, frames) = self.call(peer, &req, &[]).await?;
         match (header.update, frames.into_iter().next()) {
             (Some(u), Some(f)) => Ok((u, f)),
@@ -537,7 +545,7 @@ impl StageClient {
 
     /// The replica's own announcement, as JSON.
     pub async fn info(&self, peer: PeerId, stage: usize) -> Result<Response, CallError> {
-        let req = self.request(stage, 0, 0, Op::Info, 0);
+        let req = self.request(stage, 0, Call::Info {}, 0);
         Ok(self.call(peer, &req, &[]).await?.0)
     }
 }

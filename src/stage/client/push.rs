@@ -4,7 +4,7 @@
 
 use super::{BackwardReply, CallError, StageClient};
 use crate::stage::tensor;
-use crate::wire::msg::{Op, Request};
+use crate::wire::msg::Call;
 use candle_core::Tensor;
 use libp2p::PeerId;
 
@@ -21,10 +21,8 @@ impl StageClient {
         input: &Tensor,
         to: PeerId,
     ) -> Result<(Option<Tensor>, u64), CallError> {
-        let req = Request {
-            push_to: Some(to.to_string()),
-            ..self.request(stage, step, mb, Op::Forward, 1)
-        };
+        let call = self.forward_call(mb, false, Some(to.to_string()));
+        let req = self.request(stage, step, call, 1);
         let frame = tensor::encode(input, &self.codec)?;
         let (header, frames) = self.call(peer, &req, &[frame.as_slice()]).await?;
         self.count_raw(&[input]);
@@ -41,10 +39,7 @@ impl StageClient {
         mb: u64,
         upstream: &Tensor,
     ) -> Result<BackwardReply, CallError> {
-        let req = Request {
-            pushed: true,
-            ..self.request(stage, step, mb, Op::Backward, 1)
-        };
+        let req = self.request(stage, step, self.backward_call(mb, false, true), 1);
         let frame = tensor::encode(upstream, &self.codec)?;
         let (header, frames) = self.call(peer, &req, &[frame.as_slice()]).await?;
         self.count_raw(&[upstream]);
@@ -66,7 +61,7 @@ impl StageClient {
         mb: u64,
         frame: &[u8],
     ) -> Result<(), CallError> {
-        let req = self.request(stage, step, mb, Op::Push, 1);
+        let req = self.request(stage, step, Call::Push { mb }, 1);
         self.call(peer, &req, &[frame]).await.map(|_| ())
     }
 }

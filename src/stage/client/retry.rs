@@ -10,7 +10,7 @@
 //! not retry here at all.
 
 use super::CallError;
-use crate::wire::msg::{ErrorKind, Op, Request};
+use crate::wire::msg::{Call, ErrorKind, Request};
 use std::time::Duration;
 
 /// How often, and how patiently, one call is tried.
@@ -92,7 +92,7 @@ pub fn may_retry(e: &CallError) -> bool {
 /// microbatch's backward once whatever it is sent (its id is admitted once); an averaging
 /// part sent twice is refused as a duplicate, and counted against its sender.
 pub fn may_resend(req: &Request) -> bool {
-    !matches!(req.op, Op::Avg)
+    !matches!(req.call, Call::Avg { .. })
 }
 
 #[cfg(test)]

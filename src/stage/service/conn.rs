@@ -33,14 +33,14 @@ async fn read_request(
 ) -> Result<Read, IoError> {
     let head = netio::read_header_after(stream, len).await?;
     let req = msg::decode_request(&head)?;
-    if Lane::of(req.op) != lane {
+    if Lane::of(req.op()) != lane {
         return Ok(Read::Refused(refusal(
             shared,
             ErrorKind::BadRequest,
             format!(
                 "{:?} goes on {}, not {}",
-                req.op,
-                Lane::of(req.op).protocol(),
+                req.op(),
+                Lane::of(req.op()).protocol(),
                 lane.protocol()
             ),
         )));
@@ -57,7 +57,7 @@ async fn read_request(
         let frame = netio::read_frame_checked(stream, &shared.cfg.limits, |h| {
             match want {
                 Some(w) => shared.expect.check(w, h)?,
-                None => return Err(format!("{:?} carries no tensor {i}", req.op)),
+                None => return Err(format!("{:?} carries no tensor {i}", req.op())),
             }
             if !held.take(h.frame_len()) {
                 over = true;
@@ -308,10 +308,10 @@ async fn serve_one(
         }
         Ok(Ok(Read::Whole(req, frames, held))) => (req, frames, held),
     };
-    let op = req.op;
+    let op = req.op();
     let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
     let draining = shared.draining.load(Ordering::Relaxed);
-    if draining && matches!(req.op, Op::Info | Op::Forward | Op::Backward) {
+    if draining && matches!(op, Op::Info | Op::Forward | Op::Backward) {
         let r = refusal(
             shared,
             ErrorKind::Overloaded,
@@ -320,7 +320,7 @@ async fn serve_one(
         respond(stream, &r).await;
         return false;
     }
-    let reply = match req.op {
+    let reply = match op {
         Op::Info => {
             let mut header = ok(shared, 0);
             header.info = shared.info.lock().clone();
@@ -347,7 +347,7 @@ async fn serve_one(
         Op::Push => match frames.into_iter().next() {
             Some(f) => {
                 // Its bytes stay charged to the pusher while the input waits here.
-                shared.inbox.put(req.mb, req.step, f, Box::new(held));
+                shared.inbox.put(req.call.mb(), req.step, f, Box::new(held));
                 shared.counters.served.fetch_add(1, Ordering::Relaxed);
                 Reply {
                     header: ok(shared, 0),
@@ -403,16 +403,17 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         ));
     }
     let step = shared.step();
-    if matches!(req.op, Op::Forward | Op::Backward)
-        && !req.dry
+    let (op, job) = (req.op(), req.job());
+    if matches!(op, Op::Forward | Op::Backward)
+        && !job.dry
         && req.step.saturating_add(MAX_CALLER_LAG) < step
     {
         // A synchronous microbatch's step (assigned by stage 0: not a first forward there,
         // nor a pushed call, whose step comes with its input) closed long ago here: its
         // trainer starts it again in the step open now (a stale-step refusal would only
         // send it to the other replicas, which are past it too, until it failed).
-        let assigned = !req.pushed && (shared.stage != 0 || req.op == Op::Backward);
-        if req.sync && assigned {
+        let assigned = !job.pushed && (shared.stage != 0 || op == Op::Backward);
+        if job.sync && assigned {
             return Some(refusal(
                 shared,
                 ErrorKind::StepClosed,
@@ -425,15 +426,15 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
             format!("caller is at step {}, this replica at {step}", req.step),
         ));
     }
-    let base = match req.op {
-        Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(req.op == Op::Forward)),
+    let base = match op {
+        Op::Forward | Op::Avg => req.tensors.min(1).max(u8::from(op == Op::Forward)),
         Op::Backward => 2,
         Op::Push => 1,
         Op::Info | Op::StateInfo | Op::StateChunk | Op::StateHashes | Op::StateUpdate => 0,
     };
-    let want = push::frames_of(req.op, base, req.pushed);
-    if let Some(to) = &req.push_to {
-        if req.op != Op::Forward || req.dry || to.parse::<PeerId>().is_err() {
+    let want = push::frames_of(op, base, job.pushed);
+    if let Some(to) = req.call.push_to() {
+        if job.dry || to.parse::<PeerId>().is_err() {
             return Some(refusal(
                 shared,
                 ErrorKind::BadRequest,
@@ -445,7 +446,7 @@ fn check(shared: &Shared, req: &Request) -> Option<Reply> {
         return Some(refusal(
             shared,
             ErrorKind::BadRequest,
-            format!("{:?} takes {want} tensors, got {}", req.op, req.tensors),
+            format!("{op:?} takes {want} tensors, got {}", req.tensors),
         ));
     }
     None
@@ -463,13 +464,14 @@ async fn accepts_push_from(shared: &Shared, peer: PeerId) -> bool {
 /// output pushed on when asked (the answer keeps the output only if the push failed, so
 /// the caller can send it on itself).
 async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>>) -> Reply {
-    if req.pushed {
-        match shared.inbox.take(req.mb, push::WAIT).await {
+    let job = req.job();
+    if job.pushed {
+        match shared.inbox.take(job.mb, push::WAIT).await {
             Some((f, step)) => {
                 frames.insert(0, f);
                 // A synchronous microbatch's step is the one the stage before computed it
                 // at (assigned on stage 0 after the caller sent this request).
-                if req.sync {
+                if job.sync {
                     req.step = step;
                 }
             }
@@ -484,19 +486,20 @@ async fn compute(shared: &Arc<Shared>, mut req: Request, mut frames: Vec<Vec<u8>
     }
     // A synchronous forward waits for its step; so does a backward past stage 0 (the last
     // stage's, which runs the forward too, may come before that stage applied the step).
-    let held = match req.op {
+    let held = match req.op() {
         Op::Forward => true,
         Op::Backward => shared.stage != 0,
         _ => false,
     };
-    if req.sync && !req.dry && held {
+    if job.sync && !job.dry && held {
         if let Err(r) = super::hold::hold_for_step(shared, &mut req, &frames).await {
             return r;
         }
     }
-    let (to, stage, step, mb) = (req.push_to.clone(), req.stage, req.step, req.mb);
+    let to = req.call.push_to().and_then(|t| t.parse::<PeerId>().ok());
+    let (stage, step, mb) = (req.stage, req.step, job.mb);
     let mut reply = worker::queue_job(shared, req, frames).await;
-    let Some(to) = to.and_then(|t| t.parse::<PeerId>().ok()) else {
+    let Some(to) = to else {
         return reply;
     };
     if reply.header.error.is_some() {

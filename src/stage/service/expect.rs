@@ -87,8 +87,8 @@ impl Expect {
 
     /// The tensors `req` carries: those of its kind, less the input when it was pushed.
     pub fn wants_of(&self, req: &Request) -> &'static [Want] {
-        let all = self.wants(req.op);
-        match (req.pushed, req.op) {
+        let all = self.wants(req.op());
+        match (req.job().pushed, req.op()) {
             (true, Op::Forward | Op::Backward) => all.get(1..).unwrap_or(&[]),
             _ => all,
         }

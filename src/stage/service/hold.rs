@@ -67,7 +67,7 @@ pub(super) async fn hold_for_step(
                 let others = *shared.others.lock();
                 let room = sync::Room {
                     target: shared.target,
-                    own: acc.count + acc.owed.at_except(s, now, req.mb),
+                    own: acc.count + acc.owed.at_except(s, now, req.call.mb()),
                     others: if others.step == s {
                         others
                     } else {
@@ -77,9 +77,9 @@ pub(super) async fn hold_for_step(
                     waited: now.saturating_duration_since(since),
                 };
                 if sync::admits(&room) {
-                    tracing::debug!(mb = req.mb, step = s, ?room, "admitted");
+                    tracing::debug!(mb = req.call.mb(), step = s, ?room, "admitted");
                     acc.owed.prune(s, now);
-                    acc.owed.add(req.mb, s, samples, now);
+                    acc.owed.add(req.call.mb(), s, samples, now);
                     req.step = s;
                     drop(acc);
                     // The others hear of the room taken with the next progress.
@@ -89,7 +89,7 @@ pub(super) async fn hold_for_step(
             }
         }
         if started.elapsed() >= HOLD_LIMIT {
-            tracing::debug!(mb = req.mb, step = req.step, "held past the limit");
+            tracing::debug!(mb = req.call.mb(), step = req.step, "held past the limit");
             return Err(refusal(
                 shared,
                 ErrorKind::Overloaded,

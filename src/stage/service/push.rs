@@ -1,8 +1,9 @@
 //! Activations pushed from one stage to the next: a forward asked to `push_to` a replica of
-//! the next stage sends its output there ([`Op::Push`]) instead of back to its caller, and
-//! the caller's request to that replica, marked `pushed`, waits here for it. A microbatch's
-//! trip to the last stage then crosses three one-way latencies (trainer → stage s, s → s+1,
-//! s+1 → trainer) instead of four, and its activations one link instead of two.
+//! the next stage sends its output there ([`Call::Push`](crate::wire::msg::Call::Push))
+//! instead of back to its caller, and the caller's request to that replica, marked
+//! `pushed`, waits here for it. A microbatch's trip to the last stage then crosses three
+//! one-way latencies (trainer → stage s, s → s+1, s+1 → trainer) instead of four, and its
+//! activations one link instead of two.
 //!
 //! Held inputs are few and short-lived: at most [`HELD`] (the oldest go first) and none
 //! older than [`HELD_FOR`]. A push nobody asks for is dropped that way; a request whose

@@ -132,8 +132,8 @@ impl Worker {
                 tracing::debug!(
                     cpu_ms = (sched1.0.saturating_sub(sched0.0)) / 1_000_000,
                     runq_ms = (sched1.1.saturating_sub(sched0.1)) / 1_000_000,
-                    op = ?job.req.op,
-                    mb = job.req.mb,
+                    op = ?job.req.op(),
+                    mb = job.req.call.mb(),
                     step = job.req.step,
                     wait_ms = waited.as_millis() as u64,
                     ms = us / 1000,
@@ -188,19 +188,20 @@ impl Worker {
     fn process(&self, req: &Request, frames: &[Vec<u8>]) -> Result<Reply, Fail> {
         // Unit tests only: the way to make this thread panic on demand.
         #[cfg(test)]
-        if req.mb == tests::PANIC_MB {
+        if req.call.mb() == tests::PANIC_MB {
             panic!("asked to panic by a test");
         }
         let mut r = self.shared.replica.blocking_lock();
         let input = self.input(&r, &frames[0], "input")?;
-        match req.op {
+        let job = req.job();
+        match req.op() {
             Op::Forward => {
                 // A probe's forward keeps nothing (microbatch 0 is never kept).
-                let sync = req.sync && !req.dry;
+                let sync = job.sync && !job.dry;
                 let (out, at) = if sync {
-                    r.forward_sync(&input, req.mb, req.step)?
+                    r.forward_sync(&input, job.mb, req.step)?
                 } else {
-                    (r.forward(&input, if req.dry { 0 } else { req.mb })?, 0)
+                    (r.forward(&input, if job.dry { 0 } else { job.mb })?, 0)
                 };
                 drop(r);
                 let frame = self.encode(&out)?;
@@ -221,11 +222,11 @@ impl Worker {
                 } else {
                     Upstream::Grad(&up)
                 };
-                let sync = req.sync && !req.dry;
-                let (g, fresh, at) = if req.dry {
+                let sync = job.sync && !job.dry;
+                let (g, fresh, at) = if job.dry {
                     (r.probe_backward(&input, upstream)?, false, 0)
                 } else if sync {
-                    match r.backward_sync(&input, upstream, req.mb, req.step) {
+                    match r.backward_sync(&input, upstream, job.mb, req.step) {
                         Ok(v) => v,
                         Err(e) => {
                             *self.shared.status.lock() = ReplicaStatus::of(&r);
@@ -233,7 +234,7 @@ impl Worker {
                         }
                     }
                 } else {
-                    let (g, fresh) = r.backward(&input, upstream, req.mb)?;
+                    let (g, fresh) = r.backward(&input, upstream, job.mb)?;
                     (g, fresh, 0)
                 };
                 // Written while the replica is still locked: a status taken here and

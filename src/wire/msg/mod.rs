@@ -13,17 +13,22 @@
 
 use serde::{Deserialize, Serialize};
 
+mod call;
+
+pub use call::{Call, Job, Op, Request};
+
 /// Largest header a reader accepts.
 pub const MAX_HEADER: usize = 64 << 10;
 
 /// The wire version as a literal: the one place it is written. Every protocol name
 /// (`/shoal/stage/N`, `/shoal/avg/N`, `/shoal/state/N`, `/shoal/kad/N`, identify's
 /// `/shoal/wire/N`) and [`MSG_VERSION`] are built from it, so they change together.
-/// (7: averaging and state download on protocols of their own.)
+/// (7: averaging and state download on protocols of their own; 8: a request's call is an
+/// enum tagged by its op.)
 #[macro_export]
 macro_rules! wire_version {
     () => {
-        7
+        8
     };
 }
 
@@ -33,39 +38,7 @@ pub const MSG_VERSION: u8 = crate::wire_version!();
 /// Most tensor frames one message may carry.
 pub const MAX_TENSORS: u8 = 8;
 
-/// What a request asks the stage to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Op {
-    /// `[input]` → `[output]`: activations, or logits on the last stage.
-    Forward,
-    /// `[input, grad of output]` (or `[input, targets]` on the last stage) → `[grad of
-    /// input]` (none on stage 0), the loss on the last stage. Accumulates the parameter
-    /// gradients on the replica.
-    Backward,
-    /// No tensors → the replica's current announcement in `info`.
-    Info,
-    /// An averaging message between replicas of a stage (`avg` says which); answered
-    /// with an empty success at once, handled asynchronously.
-    Avg,
-    /// No tensors → a fresh snapshot of the replica's state described in `state`.
-    StateInfo,
-    /// No tensors → chunk `chunk.index` of the snapshot of step `chunk.step`, one frame.
-    StateChunk,
-    /// No tensors → page `chunk.index` of the chunk hashes of the snapshot of step
-    /// `chunk.step` (at most [`HASH_PAGE`] of them), in `hashes`.
-    StateHashes,
-    /// No tensors → chunk `chunk.index` of the averaged update that took the replica from
-    /// step `chunk.step` to the next, one frame (exactly as every member applied it), and
-    /// the update's description in `update`.
-    StateUpdate,
-    /// `[input]` → no tensors: the output of the previous stage's forward of microbatch
-    /// `mb`, sent by that stage's replica (a forward with `push_to`) and held here for the
-    /// caller's request of the same microbatch marked `pushed`.
-    Push,
-}
-
-/// Chunk hashes per [`Op::StateHashes`] page: a page stays far below [`MAX_HEADER`], and
+/// Chunk hashes per [`Call::StateHashes`] page: a page stays far below [`MAX_HEADER`], and
 /// the list of a state of any size travels in as many pages as it needs.
 pub const HASH_PAGE: usize = 1024;
 
@@ -155,8 +128,8 @@ pub enum AvgMsg {
     },
 }
 
-/// Which snapshot chunk a [`Op::StateChunk`] asks for (or which page of hashes an
-/// [`Op::StateHashes`] does).
+/// Which snapshot chunk a [`Call::StateChunk`] asks for (or which page of hashes an
+/// [`Call::StateHashes`] does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChunkReq {
@@ -177,7 +150,7 @@ pub struct StateInfo {
     /// Floats per chunk.
     pub chunk: u64,
     /// Chunks in the snapshot (`len / chunk`, rounded up); their hashes come in pages
-    /// ([`Op::StateHashes`]).
+    /// ([`Call::StateHashes`]).
     pub chunks: u64,
     /// The hash of the whole state: xxh3-64 (hex) of the chunk hashes (each the xxh3-64,
     /// in 16 hex digits, of a chunk's little-endian f32 bytes) in order.
@@ -188,52 +161,6 @@ pub struct StateInfo {
     pub samples_applied: u64,
     /// Samples lost with dead replicas so far.
     pub samples_lost: u64,
-}
-
-/// The header of a request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Request {
-    /// Message format version.
-    pub v: u8,
-    /// The run id the caller trains.
-    pub run: String,
-    /// The stage it means to call.
-    pub stage: u32,
-    /// The optimizer step the caller is at.
-    pub step: u64,
-    /// Microbatch id (unique per trainer and microbatch).
-    pub mb: u64,
-    /// What to do.
-    pub op: Op,
-    /// Tensor frames that follow.
-    pub tensors: u8,
-    /// The averaging message, for [`Op::Avg`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub avg: Option<AvgMsg>,
-    /// The chunk asked for, for [`Op::StateChunk`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chunk: Option<ChunkReq>,
-    /// A probe (`shoal probe`): a forward keeps nothing and a backward returns the loss
-    /// and input gradient but accumulates nothing, so the run's training is untouched;
-    /// the caller's step is not checked. Peers from before this field refuse it.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub dry: bool,
-    /// For [`Op::Forward`]: send the output to this replica of the next stage ([`Op::Push`])
-    /// instead of answering with it; the answer carries it only if that failed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub push_to: Option<String>,
-    /// For [`Op::Forward`] and [`Op::Backward`]: the input is not among the frames but
-    /// pushed by the previous stage's replica ([`Op::Push`]); the replica waits for it.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub pushed: bool,
-    /// For [`Op::Forward`] and [`Op::Backward`]: the microbatch belongs to synchronous
-    /// step `step` (every gradient of a step computed at that step's parameters). A forward
-    /// to stage 0 is assigned a step by the replica, which holds it until a step has room
-    /// for it (the answer's `step` says which); later stages hold a forward of a step they
-    /// have not reached, and refuse one of a step they have closed (`step_closed`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub sync: bool,
 }
 
 /// Why a replica refused a request. Stable names: trainers branch on them.
@@ -307,16 +234,16 @@ pub struct Response {
     pub step: u64,
     /// Requests waiting or running on the replica when it answered.
     pub queue: u32,
-    /// The replica's announcement (JSON record), for [`Op::Info`].
+    /// The replica's announcement (JSON record), for [`Call::Info`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub info: Option<String>,
-    /// The snapshot offered, for [`Op::StateInfo`].
+    /// The snapshot offered, for [`Call::StateInfo`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<StateInfo>,
-    /// A page of chunk hashes, for [`Op::StateHashes`].
+    /// A page of chunk hashes, for [`Call::StateHashes`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hashes: Option<Vec<String>>,
-    /// The update a chunk belongs to, for [`Op::StateUpdate`].
+    /// The update a chunk belongs to, for [`Call::StateUpdate`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update: Option<UpdateInfo>,
     /// Tensor frames that follow.
@@ -477,25 +404,55 @@ mod tests {
             run: "ab".into(),
             stage: 2,
             step: 7,
-            mb: 99,
-            op: Op::Backward,
-            tensors: 2,
-            avg: Some(AvgMsg::Part {
-                step: 3,
-                attempt: 9,
-                count: 16,
-                chunk: 1,
-            }),
-            chunk: None,
-            dry: false,
-            push_to: Some("12D3KooWPeer".into()),
-            pushed: true,
-            sync: true,
+            tensors: 1,
+            call: Call::Forward {
+                mb: 99,
+                dry: false,
+                push_to: Some("12D3KooWPeer".into()),
+                pushed: true,
+                sync: true,
+            },
         };
         let bytes = encode_header(&r);
         let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
         assert_eq!(len as usize, bytes.len() - 4);
-        assert_eq!(decode_request(&bytes[4..]), Ok(r));
+        assert_eq!(decode_request(&bytes[4..]), Ok(r.clone()));
+        let avg = Request {
+            call: Call::Avg {
+                avg: AvgMsg::Part {
+                    step: 3,
+                    attempt: 9,
+                    count: 16,
+                    chunk: 1,
+                },
+            },
+            ..r
+        };
+        assert_eq!(decode_request(&encode_header(&avg)[4..]), Ok(avg));
+    }
+
+    #[test]
+    fn a_field_another_op_takes_is_refused() {
+        let with = |call: &str, tensors: u8| {
+            let v = MSG_VERSION;
+            let head = format!(r#""v":{v},"run":"r","stage":0,"step":0,"tensors":{tensors}"#);
+            decode_request(format!("{{{head},{call}}}").as_bytes())
+        };
+        let malformed = |r: Result<Request, MsgError>| matches!(r, Err(MsgError::Malformed(_)));
+        assert!(with(r#""call":{"op":"forward","mb":1,"push_to":"p"}"#, 1).is_ok());
+        assert!(with(r#""call":{"op":"info"}"#, 0).is_ok());
+        // push_to is a forward's field only.
+        assert!(malformed(with(
+            r#""call":{"op":"backward","mb":1,"push_to":"p"}"#,
+            1
+        )));
+        // A call without fields takes none; a state chunk needs its chunk.
+        let info_chunk = r#""call":{"op":"info","chunk":{"step":0,"index":0}}"#;
+        assert!(malformed(with(info_chunk, 0)));
+        assert!(malformed(with(r#""call":{"op":"state_chunk"}"#, 0)));
+        // The fields of a call are not the request's.
+        assert!(malformed(with(r#""op":"info","call":{"op":"info"}"#, 0)));
+        assert!(malformed(with(r#""mb":1,"call":{"op":"info"}"#, 0)));
     }
 
     #[test]
