@@ -67,6 +67,45 @@ pub fn bench_streams(
     Ok(ExitCode::SUCCESS)
 }
 
+pub fn bench_compress(
+    codecs: &str,
+    steps: u64,
+    d_model: usize,
+    text: Option<PathBuf>,
+    json: Option<PathBuf>,
+) -> Result<ExitCode> {
+    use shoal::bench::compress::{self as bc, CompressBenchConfig};
+    if steps == 0 || d_model < 64 || d_model % 64 != 0 {
+        bail!("--steps must be at least 1 and --d-model a multiple of 64");
+    }
+    let cfg = CompressBenchConfig {
+        text,
+        codecs: codecs
+            .split(',')
+            .map(|c| c.parse::<shoal::wire::ActivationCodec>())
+            .collect::<Result<_, _>>()?,
+        steps,
+        d_model,
+        ..Default::default()
+    };
+    println!(
+        "compress benchmark: a Llama of byte tokens, d{d_model}, 4 blocks in 2 stages, {steps} steps of 16 × 64 tokens per codec, `train --local` (boundaries through the codec)"
+    );
+    let rows = bc::run(&cfg, &mut |r| {
+        eprintln!(
+            "{}: {:.0} bytes/sample, eval loss {:.4}",
+            r.codec, r.activation_bytes_per_sample, r.eval_loss
+        )
+    })?;
+    print!("{}", bc::table(&rows));
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&rows)?;
+        shoal::files::write_atomic(&path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub fn demo(
     stages: usize,
     replicas: usize,

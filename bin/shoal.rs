@@ -147,7 +147,9 @@ struct CommonArgs {
     /// Device: cpu, cuda:N or metal.
     #[arg(long, default_value = "cpu", value_name = "DEVICE")]
     device: String,
-    /// Codec for activations between stages: f32, f16, bf16, int8[:BLOCK], optionally +zstd[1-3].
+    /// Codec for activations between stages: f32, f16, bf16, int8[:BLOCK], optionally
+    /// +zstd[1-3]; or subspace:RANK[+CODEC] (the model keeps its residual stream in a
+    /// rank-RANK subspace; llama only).
     #[arg(long, value_name = "CODEC")]
     activations: Option<String>,
     /// Number of pipeline stages (default: the config's stages.count).
@@ -198,6 +200,29 @@ enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         bursts: usize,
         /// Also write the report as JSON to this file.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
+    /// The same model on the same text once per activation codec: bytes per sample across
+    /// stage boundaries against the loss reached.
+    Compress {
+        /// Comma-separated activation codecs, the first the reference.
+        #[arg(
+            long,
+            default_value = "int8,subspace:16,subspace:6",
+            value_name = "LIST"
+        )]
+        codecs: String,
+        /// Optimizer steps per codec.
+        #[arg(long, default_value_t = 300, value_name = "N")]
+        steps: u64,
+        /// The model's width (4 blocks in 2 stages).
+        #[arg(long, default_value_t = 256, value_name = "D")]
+        d_model: usize,
+        /// Text to train on (default: this machine's documentation).
+        #[arg(long, value_name = "FILE")]
+        text: Option<PathBuf>,
+        /// Also write the rows as JSON to this file.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
     },
@@ -281,7 +306,7 @@ pub(crate) fn parse_codec(s: &str) -> Result<CodecSpec> {
 fn apply_common(cfg: &mut RunConfig, c: &CommonArgs) -> Result<LocalOptions> {
     let device = shoal::model::parse_device(&c.device).map_err(anyhow::Error::msg)?;
     if let Some(a) = &c.activations {
-        cfg.codecs.activations = parse_codec(a)?;
+        cfg.codecs.activations = a.parse::<shoal::wire::ActivationCodec>()?;
     }
     if let Some(s) = c.stages {
         cfg.stages.count = s;
@@ -496,6 +521,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     json,
                 },
         } => bench_cmds::bench_stage(&config, stage, &device, &dtypes, batch, seconds, json),
+        Command::Bench {
+            which:
+                BenchCommand::Compress {
+                    codecs,
+                    steps,
+                    d_model,
+                    text,
+                    json,
+                },
+        } => bench_cmds::bench_compress(&codecs, steps, d_model, text, json),
         Command::Bench {
             which:
                 BenchCommand::Streams {

@@ -346,7 +346,7 @@ pub fn evaluate(
 ) -> Result<f64, TrainError> {
     let mut sampler = Sampler::eval(cfg.training.data_seed);
     let source = source.eval_source();
-    let mut wire = Boundary::new(cfg.codecs.activations);
+    let mut wire = Boundary::new(cfg.codecs.activations.wire());
     let device = stages[0].device().clone();
     let mut total = 0.0;
     for _ in 0..n {
@@ -374,7 +374,7 @@ pub fn train_local(
         .map(|s| AdamW::new(&cfg.optimizer, total_steps, s.params()))
         .collect::<Result<Vec<_>, _>>()?;
     let mut sampler = Sampler::new(cfg.training.data_seed, 0);
-    let mut wire = Boundary::new(cfg.codecs.activations);
+    let mut wire = Boundary::new(cfg.codecs.activations.wire());
     let (batch, seq) = (cfg.training.batch_size, cfg.model.seq_len);
     let micro_per_step = cfg.target_batch_size().div_ceil(batch);
     let run =
@@ -409,7 +409,7 @@ pub fn train_local(
         for _ in 0..micro_per_step {
             let b = sampler.next_batch(&source, batch, seq);
             let (x, y) = batch_tensors(&b, &opts.device)?;
-            let mb = microbatch(&stages, &x, &y, cfg.codecs.activations, opts.threads)?;
+            let mb = microbatch(&stages, &x, &y, cfg.codecs.activations.wire(), opts.threads)?;
             loss_sum += mb.loss;
             wire.raw_bytes += mb.raw_bytes;
             wire.wire_bytes += mb.wire_bytes;

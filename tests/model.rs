@@ -379,3 +379,84 @@ fn checkpoint_round_trips_bit_identically() -> R {
     assert!(checkpoint::peek(&bad).is_err());
     Ok(())
 }
+
+const SUBSPACE_MICRO: &str = r#"
+    [model]
+    family = "llama"
+    vocab = 7
+    d_model = 8
+    n_layers = 2
+    n_heads = 2
+    n_kv_heads = 1
+    seq_len = 5
+    seed = 3
+    [stages]
+    count = 2
+    [codecs]
+    activations = "subspace:3"
+"#;
+
+#[test]
+fn finite_differences_match_staged_backward_through_a_subspace_boundary() -> R {
+    // Stage 0 writes the stream through rank-3 factors and sends 3 coefficients and the
+    // token id per token; the last stage's blocks are full. The gradients that cross the
+    // packed boundary must still be the loss's.
+    let probes = [
+        ("model.embed_tokens.sub", 5),
+        ("model.layers.0.self_attn.q_proj.weight", 17),
+        ("model.layers.0.self_attn.o_proj.sub.weight", 7),
+        ("model.layers.0.mlp.down_proj.sub.weight", 20),
+        ("model.layers.1.self_attn.o_proj.weight", 7),
+        ("model.layers.1.mlp.down_proj.weight", 21),
+        ("lm_head.weight", 11),
+    ];
+    check_finite_differences(SUBSPACE_MICRO, &probes)
+}
+
+#[test]
+fn a_subspace_model_exports_as_the_plain_llama_it_computes() -> R {
+    let mut cfg = RunConfig::tiny();
+    cfg.model.family = Family::Llama;
+    cfg.codecs.activations = "subspace:4".parse()?;
+    let cfg = with_stages(cfg, 2);
+    let dev = Device::Cpu;
+    let stages = build(&cfg, DType::F32);
+    let (x, _) = tokens(&cfg, 2, 6, &dev);
+    let boundary = stages[0].forward(&x)?;
+    assert_eq!(
+        boundary.dims(),
+        &[2, cfg.model.seq_len, 5],
+        "4 coefficients and the id"
+    );
+    let want = stages[1].forward(&boundary)?;
+    // A boundary whose id column is not token ids is refused.
+    let bad = (boundary.clone() + 0.5)?;
+    assert!(stages[1].forward(&bad).is_err());
+
+    let dir = tempfile::tempdir()?;
+    let mut paths = Vec::new();
+    for s in &stages {
+        let opt = AdamW::new(&cfg.optimizer, 10, s.params())?;
+        let path = dir.path().join(format!("stage{}.safetensors", s.index()));
+        let info = checkpoint::Info {
+            run: "run-s".into(),
+            config: toml::to_string(&cfg)?,
+            stage: s.index(),
+            step: 0,
+            params_hash: format!("{:016x}", s.params().hash()?),
+            samples_applied: 0,
+            samples_lost: 0,
+        };
+        checkpoint::save(s, &opt, &path, &info)?;
+        paths.push(path);
+    }
+    let out = dir.path().join("model.safetensors");
+    shoal::model::export::from_checkpoints(&paths, &out)?;
+    let (plain, model) = shoal::model::export::load_model(&out, &dev)?;
+    assert_eq!(plain.codecs.activations.subspace, None);
+    assert!(model.params().names().iter().all(|n| !n.contains(".sub")));
+    let got = model.forward(&x)?;
+    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-4, "exported logits differ by {diff}");
+    Ok(())
+}

@@ -63,7 +63,7 @@ fn three_stage(codec: CodecSpec) -> RunConfig {
     cfg.stages.count = 3;
     cfg.stages.cuts.clear();
     cfg.training.batch_size = 4;
-    cfg.codecs.activations = codec;
+    cfg.codecs.activations = codec.into();
     cfg.validate().unwrap();
     cfg
 }

@@ -55,7 +55,7 @@ proptest! {
 
     #[test]
     fn f16_within_bound((shape, data) in shape_and_values(300, -60000f32..60000f32), z in zstd_level()) {
-        let spec = CodecSpec { quant: Quant::F16, block_size: 0, zstd_level: z };
+        let spec = CodecSpec { quant: Quant::F16, block_size: 0, zstd_level: z, ids_last: false };
         let got = round_trip(&shape, &data, &spec);
         for (&x, &y) in data.iter().zip(&got) {
             let bound = (x.abs() * 2f32.powi(-11)).max(2f32.powi(-25));
@@ -65,7 +65,7 @@ proptest! {
 
     #[test]
     fn bf16_within_bound((shape, data) in shape_and_values(300, prop_oneof![-1e30f32..1e30f32, -1f32..1f32, Just(0.0f32)]), z in zstd_level()) {
-        let spec = CodecSpec { quant: Quant::Bf16, block_size: 0, zstd_level: z };
+        let spec = CodecSpec { quant: Quant::Bf16, block_size: 0, zstd_level: z, ids_last: false };
         let got = round_trip(&shape, &data, &spec);
         for (&x, &y) in data.iter().zip(&got) {
             let bound = if x.abs() < 1e-37 { 1e-39 } else { x.abs() * 2f32.powi(-8) };
@@ -79,7 +79,7 @@ proptest! {
         block in prop_oneof![Just(1u32), Just(7), Just(32), Just(64), Just(100), Just(256)],
         z in zstd_level(),
     ) {
-        let spec = CodecSpec { quant: Quant::Int8, block_size: block, zstd_level: z };
+        let spec = CodecSpec { quant: Quant::Int8, block_size: block, zstd_level: z, ids_last: false };
         let got = round_trip(&shape, &data, &spec);
         for (xb, yb) in data.chunks(block as usize).zip(got.chunks(block as usize)) {
             let absmax = xb.iter().fold(0f32, |m, x| m.max(x.abs()));

@@ -102,7 +102,7 @@ async fn run_in(cfg: &DemoConfig, dir: &Path, bar: &Bar) -> Result<DemoReport, H
         cfg.trainers,
         cfg.steps,
         run_cfg.target_batch_size(),
-        run_cfg.codecs.activations,
+        run_cfg.codecs.activations.wire(),
         run_cfg.codecs.gradients
     ));
     let (mut boot, baddr) = spawn_bootstrap(exe, dir)?;

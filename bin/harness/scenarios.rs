@@ -326,7 +326,7 @@ pub fn sim_run(codec: CodecSpec) -> RunConfig {
     cfg.stages.cuts.clear();
     cfg.stages.kind = StageKind::Sim;
     cfg.stages.sim_ms_per_sample = Some(4.0);
-    cfg.codecs.activations = codec;
+    cfg.codecs.activations = codec.into();
     cfg.training.steps = 1_000_000;
     cfg.training.target_batch_size = Some(SIM_TARGET_BATCH);
     cfg

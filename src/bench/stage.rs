@@ -107,14 +107,16 @@ pub fn throughput(
 ) -> Result<StageBench, ModelError> {
     let s = Stage::with_dtype(cfg, stage, device, dtype)?;
     let (ids, targets) = random_tokens(cfg, batch, 3, device)?;
-    let (t, d) = (cfg.model.seq_len, cfg.model.d_model);
-    let acts = Tensor::randn(0f32, 1.0, (batch, t, d), device)?.to_dtype(dtype)?;
-    let input = if s.is_first() { ids } else { acts.clone() };
+    let input = if s.is_first() {
+        ids
+    } else {
+        s.example_input(batch, cfg.model.seq_len)?
+    };
+    let g = s.example_upstream(batch, cfg.model.seq_len)?;
     let pass = || -> Result<(), ModelError> {
         if s.is_last() {
             s.backward(&input, Upstream::Targets(&targets))?;
         } else {
-            let g = (acts.clone() * 1e-3)?;
             s.backward(&input, Upstream::Grad(&g))?;
         }
         device.synchronize()?;
@@ -134,6 +136,6 @@ pub fn throughput(
         dtype: format!("{dtype:?}").to_lowercase(),
         batch,
         passes,
-        tokens_per_s: (passes * batch * t) as f64 / secs.max(1e-9),
+        tokens_per_s: (passes * batch * cfg.model.seq_len) as f64 / secs.max(1e-9),
     })
 }

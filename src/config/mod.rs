@@ -10,7 +10,7 @@ mod model;
 pub use averaging::{AggregateKind, AveragingConfig};
 pub use model::{Family, InitScheme, ModelConfig};
 
-use crate::wire::CodecSpec;
+use crate::wire::{ActivationCodec, CodecSpec};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -183,9 +183,10 @@ impl Default for DataConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CodecsConfig {
-    /// Activations and their gradients between stages (default int8).
+    /// Activations and their gradients between stages (default int8), or a subspace of
+    /// the residual stream (`subspace:RANK[+CODEC]`; see `model::subspace`).
     #[serde(default = "d_act")]
-    pub activations: CodecSpec,
+    pub activations: ActivationCodec,
     /// Averaged parameter gradients between replicas (default int8+zstd1).
     #[serde(default = "d_grad")]
     pub gradients: CodecSpec,
@@ -268,8 +269,8 @@ fn d_markov_seed() -> u64 {
 fn d_branching() -> usize {
     4
 }
-fn d_act() -> CodecSpec {
-    CodecSpec::INT8
+fn d_act() -> ActivationCodec {
+    CodecSpec::INT8.into()
 }
 fn d_grad() -> CodecSpec {
     CodecSpec::INT8.with_zstd(1)
@@ -378,7 +379,7 @@ impl RunConfig {
                 pool: Some(6),
             },
             codecs: CodecsConfig {
-                activations: CodecSpec::INT8,
+                activations: CodecSpec::INT8.into(),
                 gradients: CodecSpec::INT8.with_zstd(1),
             },
             averaging: AveragingConfig::default(),
@@ -390,6 +391,34 @@ impl RunConfig {
         self.training
             .target_batch_size
             .unwrap_or(self.training.batch_size)
+    }
+
+    /// The last dim of the tensors between stages: `d_model`, or under a subspace its rank
+    /// and the token id.
+    pub fn boundary_width(&self) -> usize {
+        match self.codecs.activations.subspace {
+            Some(r) => r as usize + 1,
+            None => self.model.d_model,
+        }
+    }
+
+    /// What a subspace of rank `rank` needs of the model.
+    fn check_subspace(&self, rank: u32) -> Result<(), String> {
+        let m = &self.model;
+        let name = self.codecs.activations;
+        if rank == 0 || rank as usize > m.d_model {
+            return Err(format!(
+                "codecs.activations = \"{name}\": the rank must be in 1..={} (model.d_model)",
+                m.d_model
+            ));
+        }
+        if m.family != Family::Llama || m.tie_embeddings || self.stages.kind == StageKind::Sim {
+            return Err(format!(
+                "codecs.activations = \"{name}\" needs model.family = \"llama\", untied \
+                 embeddings and model stages (stages.kind = \"model\")"
+            ));
+        }
+        Ok(())
     }
 
     /// Block ranges of each stage, `[start, end)`.
@@ -451,6 +480,9 @@ impl RunConfig {
                 return bad("stages.sim_ms_per_sample is only for stages.kind = \"sim\"".into())
             }
             (StageKind::Model, None) => {}
+        }
+        if let Some(rank) = self.codecs.activations.subspace {
+            self.check_subspace(rank).map_err(ConfigError::Invalid)?;
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {

@@ -33,6 +33,36 @@ fn bad_values_are_one_line_errors() {
 }
 
 #[test]
+fn a_bad_subspace_is_refused_in_one_line() {
+    let llama =
+        include_str!("../../configs/tiny.toml").replace("[model]", "[model]\nfamily = \"llama\"");
+    let with = |codec: &str| {
+        let text = llama.replace(
+            "activations = \"int8\"",
+            &format!("activations = \"{codec}\""),
+        );
+        RunConfig::from_toml(&text, "x.toml")
+    };
+    let ok = with("subspace:8").expect("rank 8 of 64 is fine");
+    assert_eq!(ok.boundary_width(), 9);
+    for (codec, says) in [
+        ("subspace:0", "1..=64"),
+        ("subspace:65", "1..=64"),
+        ("subspace:x", "subspace:RANK"),
+        ("lowrank:8", "subspace:RANK"),
+    ] {
+        let err = with(codec).expect_err(codec).to_string();
+        assert!(err.contains(says) && !err.contains('\n'), "{codec}: {err}");
+    }
+    let gpt = include_str!("../../configs/tiny.toml")
+        .replace("activations = \"int8\"", "activations = \"subspace:8\"");
+    let err = RunConfig::from_toml(&gpt, "x.toml")
+        .expect_err("gpt")
+        .to_string();
+    assert!(err.contains("llama"), "{err}");
+}
+
+#[test]
 fn explicit_cuts_are_used() {
     let mut cfg = RunConfig::tiny();
     cfg.stages.count = 2;

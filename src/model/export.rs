@@ -3,13 +3,17 @@
 //! Hugging Face's names), and loading such a file back as a one-stage model.
 //!
 //! Tensors are copied one at a time from the checkpoints (read by offset when the writer
-//! asks), so exporting never holds a whole stage; the file is written atomically.
+//! asks), so exporting never holds a whole stage; the file is written atomically. A run
+//! whose residual stream lives in a subspace ([`super::subspace`]) is exported as the plain
+//! Llama it computes: each factored projection `W̃` becomes `U·W̃` under its Hugging Face
+//! name, the embedding `F + Ê·Uᵀ`, and the config in the metadata names a plain codec.
 
 use super::checkpoint::{self, Info};
 use super::stage::Stage;
+use super::subspace::Subspace;
 use super::ModelError;
 use crate::config::RunConfig;
-use candle_core::Device;
+use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -18,6 +22,43 @@ use std::path::{Path, PathBuf};
 
 /// The `shoal.format` of an exported model.
 pub const MODEL_FORMAT: &str = "shoal-model-v1";
+
+/// A tensor to export: read from a checkpoint when the writer asks for it, or computed.
+enum OutTensor {
+    File(FileTensor),
+    /// f32 little-endian bytes.
+    Made {
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    },
+}
+
+impl View for OutTensor {
+    fn dtype(&self) -> StDtype {
+        match self {
+            Self::File(f) => f.dtype(),
+            Self::Made { .. } => StDtype::F32,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        match self {
+            Self::File(f) => f.shape(),
+            Self::Made { shape, .. } => shape,
+        }
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self {
+            Self::File(f) => f.data(),
+            Self::Made { bytes, .. } => Cow::Borrowed(bytes),
+        }
+    }
+    fn data_len(&self) -> usize {
+        match self {
+            Self::File(f) => f.data_len(),
+            Self::Made { bytes, .. } => bytes.len(),
+        }
+    }
+}
 
 /// A tensor of a checkpoint file, read when the writer asks for it.
 struct FileTensor {
@@ -154,15 +195,16 @@ pub fn from_checkpoints(checkpoints: &[PathBuf], out: &Path) -> Result<Exported,
         tensors.extend(param_tensors(p)?);
         steps.push(i.step);
     }
+    let (tensors, config) = multiplied_out(&cfg, tensors, &first.config)?;
     let params = tensors
         .iter()
-        .map(|(_, t)| t.shape.iter().product::<usize>())
+        .map(|(_, t)| t.shape().iter().product::<usize>())
         .sum();
     let meta = HashMap::from([
         ("format".to_string(), "pt".to_string()),
         ("shoal.format".to_string(), MODEL_FORMAT.to_string()),
         ("shoal.run".to_string(), first.run.clone()),
-        ("shoal.config".to_string(), first.config.clone()),
+        ("shoal.config".to_string(), config),
         (
             "shoal.steps".to_string(),
             steps
@@ -185,6 +227,58 @@ pub fn from_checkpoints(checkpoints: &[PathBuf], out: &Path) -> Result<Exported,
         params,
     })
 }
+
+/// The tensors to write and the config to record: as they are, or under a subspace with
+/// every factored tensor multiplied out and the config's activation codec made plain.
+fn multiplied_out(
+    cfg: &RunConfig,
+    tensors: Vec<(String, FileTensor)>,
+    config: &str,
+) -> Result<(Vec<(String, OutTensor)>, String), ModelError> {
+    let Some(sub) = Subspace::of(cfg, &Device::Cpu, DType::F32)? else {
+        let out = tensors.into_iter().map(|(n, t)| (n, OutTensor::File(t)));
+        return Ok((out.collect(), config.to_string()));
+    };
+    let made = |t: &Tensor| -> Result<OutTensor, ModelError> {
+        let v = t.flatten_all()?.to_vec1::<f32>()?;
+        Ok(OutTensor::Made {
+            shape: t.dims().to_vec(),
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        })
+    };
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let factored = name == EMBED_SUB || name.ends_with(".sub.weight");
+        if !factored {
+            out.push((name, OutTensor::File(t)));
+            continue;
+        }
+        if t.dtype != StDtype::F32 {
+            return Err(ModelError::Checkpoint(format!("{name} is not f32")));
+        }
+        let bytes = t.data();
+        let v: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let w = Tensor::from_vec(v, t.shape.as_slice(), &Device::Cpu)
+            .map_err(|e| ModelError::Checkpoint(format!("{name}: {e}")))?;
+        if name == EMBED_SUB {
+            let full = (sub.fixed_table(cfg.model.vocab, &Device::Cpu)? + sub.lift(&w)?)?;
+            out.push(("model.embed_tokens.weight".to_string(), made(&full)?));
+        } else {
+            let plain = name.replace(".sub.weight", ".weight");
+            out.push((plain, made(&sub.full_weight(&w)?)?));
+        }
+    }
+    let mut plain = cfg.clone();
+    plain.codecs.activations = plain.codecs.activations.spec.into();
+    let text = toml::to_string(&plain).map_err(|e| ModelError::Checkpoint(e.to_string()))?;
+    Ok((out, text))
+}
+
+/// The trained part of a subspace model's token embedding.
+const EMBED_SUB: &str = "model.embed_tokens.sub";
 
 /// Loads an exported model as one stage holding every block, on `device`.
 pub fn load_model(path: &Path, device: &Device) -> Result<(RunConfig, Stage), ModelError> {

@@ -26,6 +26,8 @@ pub(crate) struct Builder<'a> {
     pub params: &'a mut ParamSet,
     pub scheme: InitScheme,
     pub n_layers: usize,
+    /// The residual stream's subspace, when the run keeps it in one.
+    pub subspace: Option<super::subspace::Subspace>,
 }
 
 impl Builder<'_> {
@@ -64,6 +66,25 @@ impl Builder<'_> {
             None
         };
         Ok(Linear::new(w, b))
+    }
+
+    /// A projection `inp → d` back into the residual stream. Under a subspace it is stored
+    /// as `inp → rank` (`{name}.sub.weight`) and the block lifts its output with
+    /// [`super::subspace::Subspace::lift`]. Its initial scale is the full projection's
+    /// (raising it by √(d/rank), so the write starts as large as a full projection's,
+    /// trained worse: BENCHMARKS.md, issue 31).
+    pub fn residual_linear(&mut self, name: &str, inp: usize, d: usize) -> Result<Linear> {
+        let Some(rank) = self.subspace.as_ref().map(|s| s.rank()) else {
+            return self.linear(name, inp, d, Role::Residual, false);
+        };
+        let std = self.weight_std(inp, Role::Residual);
+        let w = self.param(
+            &format!("{name}.sub.weight"),
+            &[rank, inp],
+            Init::Normal(std),
+            true,
+        )?;
+        Ok(Linear::new(w, None))
     }
 
     /// A LayerNorm over the last dim with unit weight and zero bias.

@@ -137,6 +137,8 @@ pub struct LlamaBlock {
     gate: Linear,
     up: Linear,
     down: Linear,
+    /// Lifts the residual projections' `rank` outputs into the stream, under a subspace.
+    subspace: Option<super::subspace::Subspace>,
 }
 
 impl LlamaBlock {
@@ -145,7 +147,7 @@ impl LlamaBlock {
     pub(crate) fn new(b: &mut Builder<'_>, cfg: &ModelConfig, i: usize) -> Result<Self> {
         let (d, hd, f) = (cfg.d_model, cfg.head_dim(), cfg.ffn());
         let (h, kv) = (cfg.n_heads, cfg.kv_heads());
-        let (plain, residual) = (Role::Plain, Role::Residual);
+        let plain = Role::Plain;
         let p = format!("model.layers.{i}");
         let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");
@@ -155,14 +157,15 @@ impl LlamaBlock {
                 q: b.linear(&format!("{a}.q_proj"), d, h * hd, plain, false)?,
                 k: b.linear(&format!("{a}.k_proj"), d, kv * hd, plain, false)?,
                 v: b.linear(&format!("{a}.v_proj"), d, kv * hd, plain, false)?,
-                o: b.linear(&format!("{a}.o_proj"), h * hd, d, residual, false)?,
+                o: b.residual_linear(&format!("{a}.o_proj"), h * hd, d)?,
                 n_heads: h,
                 n_kv: kv,
             },
             post_norm: b.rms_norm(&format!("{p}.post_attention_layernorm"), d, cfg.eps())?,
             gate: b.linear(&format!("{m}.gate_proj"), d, f, plain, false)?,
             up: b.linear(&format!("{m}.up_proj"), d, f, plain, false)?,
-            down: b.linear(&format!("{m}.down_proj"), f, d, residual, false)?,
+            down: b.residual_linear(&format!("{m}.down_proj"), f, d)?,
+            subspace: b.subspace.clone(),
         })
     }
 
@@ -173,12 +176,21 @@ impl LlamaBlock {
         ctx: &Ctx<'_>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let x = (x + self
+        let a = self
             .attn
-            .forward(&self.input_norm.forward(x)?, ctx, cache)?)?;
+            .forward(&self.input_norm.forward(x)?, ctx, cache)?;
+        let x = (x + self.lift(a)?)?;
         let h = self.post_norm.forward(&x)?;
         let g = super::fused::swiglu(&self.gate.forward(&h)?, &self.up.forward(&h)?)?;
-        x + self.down.forward(&g)?
+        x + self.lift(self.down.forward(&g)?)?
+    }
+
+    /// A residual projection's output as a write into the stream.
+    fn lift(&self, y: Tensor) -> Result<Tensor> {
+        match &self.subspace {
+            Some(s) => s.lift(&y),
+            None => Ok(y),
+        }
     }
 }
 

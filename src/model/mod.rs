@@ -2,7 +2,9 @@
 //!
 //! Owns the math: layers ([`layers`]), deterministic parameters ([`params`]), one stage's
 //! forward and backward ([`stage`]), AdamW ([`optim`]), safetensors checkpoints
-//! ([`checkpoint`]), the exported model ([`export`]) and sampling from it ([`generate`]). Knows nothing of the network or of where inputs come from.
+//! ([`checkpoint`]), the exported model ([`export`]) and sampling from it ([`generate`]);
+//! a residual stream kept in a low-rank subspace for small stage boundaries ([`subspace`]).
+//! Knows nothing of the network or of where inputs come from.
 
 pub mod checkpoint;
 pub mod export;
@@ -13,6 +15,7 @@ pub mod llama;
 pub mod optim;
 pub mod params;
 pub mod stage;
+pub mod subspace;
 
 pub use optim::{lr_at, AdamW, StepStats};
 pub use params::ParamSet;

@@ -9,6 +9,7 @@
 use super::layers::{causal_mask, Block, Builder, Ctx, KvCache, Norm, Role};
 use super::llama::Rope;
 use super::params::ParamSet;
+use super::subspace::Subspace;
 use super::ModelError;
 use crate::config::{Family, ModelConfig, RunConfig};
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -77,6 +78,8 @@ pub struct Stage {
     head: Option<Head>,
     mask: Tensor,
     rope: Option<Rope>,
+    /// The residual stream's subspace (`codecs.activations = "subspace:R"`).
+    sub: Option<Subspace>,
     device: Device,
     dtype: DType,
 }
@@ -115,7 +118,10 @@ impl Stage {
             params: &mut params,
             scheme: m.init,
             n_layers: m.n_layers,
+            subspace: None,
         };
+        b.subspace = Subspace::of(cfg, device, dtype)?;
+        let sub = b.subspace.clone();
         let llama = m.family == Family::Llama;
         let embed = match (index, llama) {
             (0, false) => Some(Embed {
@@ -123,16 +129,27 @@ impl Stage {
                 wpe: Some(b.position_embedding("wpe", m.seq_len, m.d_model)?),
             }),
             (0, true) => Some(Embed {
-                wte: b.token_embedding(
-                    "model.embed_tokens.weight",
-                    m.vocab,
-                    m.d_model,
-                    m.tie_embeddings,
-                )?,
+                // Under a subspace the trained part of the embedding, Ê (`[vocab, rank]`).
+                wte: match &sub {
+                    Some(s) => {
+                        b.token_embedding("model.embed_tokens.sub", m.vocab, s.rank(), false)?
+                    }
+                    None => b.token_embedding(
+                        "model.embed_tokens.weight",
+                        m.vocab,
+                        m.d_model,
+                        m.tie_embeddings,
+                    )?,
+                },
                 wpe: None,
             }),
             _ => None,
         };
+        // The last stage's blocks write the stream at full rank: nothing leaves it but
+        // logits.
+        if index + 1 == ranges.len() {
+            b.subspace = None;
+        }
         let blocks = (lo..hi)
             .map(|i| Block::new(&mut b, &m, i))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -173,6 +190,7 @@ impl Stage {
             head,
             mask,
             rope,
+            sub,
             device: device.clone(),
             dtype,
         })
@@ -235,23 +253,65 @@ impl Stage {
             }
             self.check_ids(input, "token")?;
         } else {
+            let width = self.boundary_width();
             let ok = input.dtype() == self.dtype
                 && dims.len() == 3
                 && dims[1] >= 1
                 && dims[1] <= self.cfg.seq_len
-                && dims[2] == self.cfg.d_model;
+                && dims[2] == width;
             if !ok {
                 return Err(ModelError::BadInput(format!(
-                    "stage {} takes {:?} activations [batch, ≤{}, {}], got {:?} {dims:?}",
+                    "stage {} takes {:?} activations [batch, ≤{}, {width}], got {:?} {dims:?}",
                     self.index,
                     self.dtype,
                     self.cfg.seq_len,
-                    self.cfg.d_model,
                     input.dtype()
                 )));
             }
+            if let Some(s) = &self.sub {
+                if s.unpack(input, self.cfg.vocab)?.is_none() {
+                    return Err(ModelError::BadInput(format!(
+                        "the last column of stage {}'s input must hold token ids below {}",
+                        self.index, self.cfg.vocab
+                    )));
+                }
+            }
         }
         Ok(())
+    }
+
+    /// The last dim of the tensors this stage takes from or sends to a neighbour:
+    /// `d_model`, or the subspace's rank and the token id.
+    pub fn boundary_width(&self) -> usize {
+        self.sub.as_ref().map_or(self.cfg.d_model, Subspace::width)
+    }
+
+    /// A valid input of `batch × seq` for this stage, for measuring it: token ids on stage
+    /// 0, else random activations (with token ids in their last column under a subspace).
+    pub fn example_input(&self, batch: usize, seq: usize) -> Result<Tensor, ModelError> {
+        let dev = &self.device;
+        if self.is_first() {
+            return Ok(Tensor::zeros((batch, seq), DType::U32, dev)?);
+        }
+        let acts = Tensor::randn(0f32, 1.0, (batch, seq, self.boundary_width()), dev)?;
+        let acts = match &self.sub {
+            Some(s) => {
+                let ids = Tensor::zeros((batch, seq), DType::U32, dev)?;
+                s.pack(&acts.narrow(2, 0, s.rank())?, &ids)?
+            }
+            None => acts,
+        };
+        Ok(acts.to_dtype(self.dtype)?)
+    }
+
+    /// A gradient of this stage's output for measuring it (the targets on the last stage).
+    pub fn example_upstream(&self, batch: usize, seq: usize) -> Result<Tensor, ModelError> {
+        let dev = &self.device;
+        if self.is_last() {
+            return Ok(Tensor::zeros((batch, seq), DType::U32, dev)?);
+        }
+        let g = Tensor::randn(0f32, 1.0, (batch, seq, self.boundary_width()), dev)? * 1e-3;
+        Ok(g?.to_dtype(self.dtype)?)
     }
 
     /// Every id in a u32 tensor is below the vocab size.
@@ -290,6 +350,9 @@ impl Stage {
         pos: usize,
         mut cache: Option<&mut [KvCache]>,
     ) -> candle_core::Result<Tensor> {
+        if let Some(s) = &self.sub {
+            return self.run_subspace(s, input, pos, cache);
+        }
         let mut x = match &self.embed {
             Some(e) => {
                 let (b, t) = input.dims2()?;
@@ -314,6 +377,42 @@ impl Stage {
         match &self.head {
             Some(h) => h.lm_head.forward(&h.norm.forward(&x)?),
             None => Ok(x),
+        }
+    }
+
+    /// [`Self::run_at`] under a subspace: the stream is rebuilt from the token ids and the
+    /// coefficients (stage 0: the trained embedding's), and leaves as coefficients and ids.
+    fn run_subspace(
+        &self,
+        s: &Subspace,
+        input: &Tensor,
+        pos: usize,
+        mut cache: Option<&mut [KvCache]>,
+    ) -> candle_core::Result<Tensor> {
+        let (coef, ids) = match &self.embed {
+            Some(e) => {
+                let (b, t) = input.dims2()?;
+                let c = e.wte.index_select(&input.flatten_all()?, 0)?;
+                (c.reshape((b, t, s.rank()))?, input.clone())
+            }
+            None => s
+                .unpack(input, self.cfg.vocab)?
+                .ok_or_else(|| candle_core::Error::Msg("not token ids in the id column".into()))?,
+        };
+        let fixed = s.fixed(&ids)?;
+        let mut x = s.expand(&fixed, &coef)?;
+        let ctx = Ctx {
+            mask: &self.mask,
+            rope: self.rope.as_ref(),
+            pos,
+        };
+        for (i, block) in self.blocks.iter().enumerate() {
+            let c = cache.as_deref_mut().and_then(|c| c.get_mut(i));
+            x = block.forward(&x, &ctx, c)?;
+        }
+        match &self.head {
+            Some(h) => h.lm_head.forward(&h.norm.forward(&x)?),
+            None => s.pack(&s.project(&x, &fixed)?, &ids),
         }
     }
 

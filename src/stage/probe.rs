@@ -116,7 +116,11 @@ async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<Routed>, ProbeError>
     let per_stage = registry::read_run(net, &m.id, count)
         .await
         .map_err(RegistryError::from)?;
-    let client = StageClient::new(net.clone(), m.id.clone(), m.config.codecs.activations);
+    let client = StageClient::new(
+        net.clone(),
+        m.id.clone(),
+        m.config.codecs.activations.wire(),
+    );
     let mut peers: Vec<Routed> = Vec::with_capacity(count);
     for (s, anns) in per_stage.iter().enumerate() {
         let mut last = ProbeError::NoReplica(s);
@@ -178,7 +182,7 @@ pub async fn probe(net: &NetHandle, m: &Manifest, check: bool) -> Result<ProbeRe
     let shape = (b.batch, b.seq_len);
     let x = Tensor::from_vec(b.inputs, shape, &Device::Cpu).map_err(ModelError::from)?;
     let y = Tensor::from_vec(b.targets, shape, &Device::Cpu).map_err(ModelError::from)?;
-    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);
+    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations.wire());
     let fail = |stage: usize, peer: PeerId| {
         move |cause| ProbeError::Call {
             stage,
@@ -312,7 +316,7 @@ pub async fn evaluate_on(
     }
     let source = TokenSource::open(cfg)?;
     let mut sampler = Sampler::eval(cfg.training.data_seed);
-    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);
+    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations.wire());
     let mut total = 0.0;
     for _ in 0..batches.max(1) {
         let b = sampler.next_batch(&source, cfg.training.batch_size, cfg.model.seq_len);

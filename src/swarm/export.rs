@@ -64,7 +64,7 @@ pub async fn from_swarm(
             m.id
         )));
     }
-    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations);
+    let client = StageClient::new(net.clone(), m.id.clone(), cfg.codecs.activations.wire());
     let mut rng = crate::rng::Rng::new(crate::rng::derive_seed(
         crate::dht::now_ms(),
         &net.local_peer_id().to_string(),

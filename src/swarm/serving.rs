@@ -108,7 +108,7 @@ impl Ctx {
         let client = StageClient::new(
             self.net.clone(),
             self.manifest.id.clone(),
-            self.manifest.config.codecs.activations,
+            self.manifest.config.codecs.activations.wire(),
         )
         .with_timeout(Duration::from_secs(2));
         let checks = futures::future::join_all(
@@ -157,10 +157,10 @@ impl Ctx {
             (None, None) => {
                 // Compute off the async workers: peers and calls sharing this runtime
                 // keep being served while the stage is measured.
-                let (batch, seq, d) = (manifest.config.training.batch_size, m.seq_len, m.d_model);
+                let (batch, seq) = (manifest.config.training.batch_size, m.seq_len);
                 let budget = cfg.bench_budget;
                 let (stage, tp) = tokio::task::spawn_blocking(move || {
-                    let tp = measure_throughput(&stage, batch, seq, d, 2, budget);
+                    let tp = measure_throughput(&stage, batch, seq, 2, budget);
                     (stage, tp)
                 })
                 .await
@@ -176,7 +176,7 @@ impl Ctx {
         let client = StageClient::new(
             self.net.clone(),
             manifest.id.clone(),
-            manifest.config.codecs.activations,
+            manifest.config.codecs.activations.wire(),
         );
         let resumed = match &cfg.resume {
             Some(path) => Some(replica.resume(path, &manifest.id)?),

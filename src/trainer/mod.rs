@@ -161,7 +161,7 @@ impl Trainer {
             }
         };
         let stages = m.config.stages.count;
-        let client = StageClient::new(net, m.id.clone(), m.config.codecs.activations)
+        let client = StageClient::new(net, m.id.clone(), m.config.codecs.activations.wire())
             .with_timeout(cfg.call_timeout)
             .with_sync(cfg.sync_steps && stages > 1);
         let stats = Arc::new(TrainerStats::new(stages));

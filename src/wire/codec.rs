@@ -80,6 +80,10 @@ pub struct CodecSpec {
     pub block_size: u32,
     /// zstd level applied after the element encoding; 0 means no zstd.
     pub zstd_level: u8,
+    /// The last column of an f32 tensor holds whole-number ids (a subspace boundary's
+    /// token ids): they travel exactly, after the coded values ([`super::ids`]). Set by
+    /// [`ActivationCodec::wire`], never by a codec name.
+    pub ids_last: bool,
 }
 
 impl CodecSpec {
@@ -88,6 +92,7 @@ impl CodecSpec {
         quant: Quant::Raw,
         block_size: 0,
         zstd_level: 0,
+        ids_last: false,
     };
 
     /// Blockwise int8 with the default block size, no zstd.
@@ -95,6 +100,7 @@ impl CodecSpec {
         quant: Quant::Int8,
         block_size: DEFAULT_BLOCK,
         zstd_level: 0,
+        ids_last: false,
     };
 
     /// The same codec followed by zstd at `level`.
@@ -164,6 +170,7 @@ impl FromStr for CodecSpec {
             quant,
             block_size,
             zstd_level,
+            ids_last: false,
         })
     }
 }
@@ -191,6 +198,89 @@ impl serde::Serialize for CodecSpec {
 }
 
 impl<'de> serde::Deserialize<'de> for CodecSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How a run's activations travel between stages: a tensor codec, or a subspace of rank
+/// `R` (`subspace:R`, `subspace:R+CODEC`: the model keeps its residual stream in a rank-`R`
+/// subspace and a boundary carries `R` coefficients and the token id per token, the
+/// coefficients through `CODEC`, int8 by default; see `model::subspace`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ActivationCodec {
+    /// The subspace rank, when the model keeps its residual stream in one.
+    pub subspace: Option<u32>,
+    /// The codec of the tensors between stages (the coefficients, under a subspace).
+    pub spec: CodecSpec,
+}
+
+impl ActivationCodec {
+    /// The codec frames between stages are written with (the id column exact under a
+    /// subspace).
+    pub fn wire(&self) -> CodecSpec {
+        CodecSpec {
+            ids_last: self.subspace.is_some(),
+            ..self.spec
+        }
+    }
+}
+
+impl From<CodecSpec> for ActivationCodec {
+    fn from(spec: CodecSpec) -> Self {
+        Self {
+            subspace: None,
+            spec,
+        }
+    }
+}
+
+/// Why an activation codec name did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown activation codec '{0}': expected f32, f16, bf16 or int8[:BLOCK] (optionally +zstd[1-3]), or subspace:RANK[+CODEC] (e.g. subspace:8+int8)")]
+pub struct BadActivationCodec(pub String);
+
+impl FromStr for ActivationCodec {
+    type Err = BadActivationCodec;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || BadActivationCodec(s.to_string());
+        let lower = s.trim().to_ascii_lowercase();
+        let Some(rest) = lower.strip_prefix("subspace:") else {
+            return lower
+                .parse::<CodecSpec>()
+                .map(Self::from)
+                .map_err(|_| bad());
+        };
+        let (rank, spec) = match rest.split_once('+') {
+            Some((r, c)) => (r, c.parse::<CodecSpec>().map_err(|_| bad())?),
+            None => (rest, CodecSpec::INT8),
+        };
+        Ok(Self {
+            subspace: Some(rank.parse().map_err(|_| bad())?),
+            spec,
+        })
+    }
+}
+
+impl fmt::Display for ActivationCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.subspace {
+            None => write!(f, "{}", self.spec),
+            Some(r) if self.spec == CodecSpec::INT8 => write!(f, "subspace:{r}"),
+            Some(r) => write!(f, "subspace:{r}+{}", self.spec),
+        }
+    }
+}
+
+impl serde::Serialize for ActivationCodec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ActivationCodec {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         s.parse().map_err(serde::de::Error::custom)
@@ -233,6 +323,33 @@ mod tests {
             "int8:x",
         ] {
             assert!(name.parse::<CodecSpec>().is_err(), "{name} parsed");
+        }
+    }
+
+    #[test]
+    fn activation_codecs_name_a_codec_or_a_subspace() {
+        for name in ["int8", "bf16+zstd1", "subspace:8", "subspace:16+f16+zstd2"] {
+            let a: ActivationCodec = name.parse().expect(name);
+            assert_eq!(a.to_string(), name);
+        }
+        let a: ActivationCodec = "subspace:8".parse().unwrap();
+        assert_eq!(a.subspace, Some(8));
+        assert!(a.wire().ids_last && a.wire().quant == Quant::Int8);
+        assert!(!"int8".parse::<ActivationCodec>().unwrap().wire().ids_last);
+        // Rank 0 parses: the config's check refuses it with the model's width in the line.
+        assert_eq!(
+            "subspace:0".parse::<ActivationCodec>().unwrap().subspace,
+            Some(0)
+        );
+        for name in [
+            "subspace",
+            "subspace:",
+            "subspace:x",
+            "subspace:8+int4",
+            "lowrank:8",
+        ] {
+            let e = name.parse::<ActivationCodec>().unwrap_err().to_string();
+            assert!(e.contains("subspace:RANK"), "{name}: {e}");
         }
     }
 }

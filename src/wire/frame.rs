@@ -8,12 +8,13 @@
 //! 6       1         codec (0 raw, 1 f16, 2 bf16, 3 int8)
 //! 7       1         zstd level (0 = none)
 //! 8       1         rank (≤ 8)
-//! 9       3         reserved, zero
+//! 9       1         id column (0 none, 1 zeros not sent, 2 u16, 3 u32: [`super::ids`])
+//! 10      2         reserved, zero
 //! 12      4         int8 block size (0 for other codecs)
 //! 16      8·rank    dims
 //! ..      8         payload length
 //! ..      8         xxh3-64 of the payload as sent
-//! ..      len       payload (int8: codes, then one bf16 scale per block)
+//! ..      len       payload (int8: codes, then one bf16 scale per block; then the ids)
 //! ```
 //! All integers are little-endian. The header is a multiple of 8 bytes long, so a payload in
 //! an 8-aligned buffer is aligned for its elements. Decoding checks every limit before it
@@ -26,6 +27,7 @@ pub use super::header::{
     MAX_RANK, PREFIX_LEN, VERSION,
 };
 use super::header::{header_len_for_rank, raw_len};
+use super::ids::{self, Ids};
 use super::kernels;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -63,7 +65,13 @@ fn check_shape(shape: &[usize], len: usize) -> Result<(), WireError> {
     Ok(())
 }
 
-fn push_header(out: &mut Vec<u8>, dtype: DType, spec: &CodecSpec, shape: &[usize]) -> usize {
+fn push_header(
+    out: &mut Vec<u8>,
+    dtype: DType,
+    spec: &CodecSpec,
+    shape: &[usize],
+    ids: Ids,
+) -> usize {
     let start = out.len();
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[
@@ -72,7 +80,7 @@ fn push_header(out: &mut Vec<u8>, dtype: DType, spec: &CodecSpec, shape: &[usize
         spec.quant.code(),
         spec.zstd_level,
         shape.len() as u8,
-        0,
+        ids.code(),
         0,
         0,
     ]);
@@ -195,9 +203,20 @@ pub fn encode_f32(
 ) -> Result<usize, WireError> {
     check_shape(shape, data.len())?;
     validate_spec(spec)?;
-    let start = push_header(out, DType::F32, spec, shape);
     let mut hash = Xxh3::new();
-    push_payload_f32(out, data, spec, &mut hash);
+    if !spec.ids_last {
+        let start = push_header(out, DType::F32, spec, shape, Ids::None);
+        push_payload_f32(out, data, spec, &mut hash);
+        return finish(out, start, shape.len(), spec.zstd_level, hash);
+    }
+    let (_, width) = ids::rows_of(shape)
+        .ok_or_else(|| WireError::BadInput("an id column needs a last dim of at least 1".into()))?;
+    let (values, list, mode) = ids::split(data, width)?;
+    let start = push_header(out, DType::F32, spec, shape, mode);
+    push_payload_f32(out, &values, spec, &mut hash);
+    let bytes = ids::to_bytes(&list, mode);
+    hash.update(&bytes);
+    out.extend_from_slice(&bytes);
     finish(out, start, shape.len(), spec.zstd_level, hash)
 }
 
@@ -211,7 +230,7 @@ pub fn encode_u32(
     check_shape(shape, data.len())?;
     let spec = CodecSpec::F32.with_zstd(zstd_level);
     validate_spec(&spec)?;
-    let start = push_header(out, DType::U32, &spec, shape);
+    let start = push_header(out, DType::U32, &spec, shape, Ids::None);
     let bytes: &[u8] = bytemuck::cast_slice(data);
     out.extend_from_slice(bytes);
     let mut hash = Xxh3::new();
@@ -256,7 +275,7 @@ fn open<'a>(
     if xxhash_rust::xxh3::xxh3_64(payload) != header.checksum {
         return Err(WireError::ChecksumMismatch);
     }
-    let raw = raw_len(&header.spec, header.elements() as u64)? as usize;
+    let raw = raw_len(&header.spec, header.ids, &header.shape)? as usize;
     let mut buf = vec![0u8; raw];
     let got = zstd::bulk::decompress_to_buffer(payload, &mut buf[..])
         .map_err(|e| WireError::Zstd(e.to_string()))?;
@@ -308,9 +327,37 @@ pub fn decode_f32_into(
         out.resize(n, 0.0);
     }
     let mut v = Verify(verify.then(Xxh3::new));
-    decode_payload_f32(&header.spec, &payload, out, &mut v);
+    decode_values(&header, &payload, out, &mut v)?;
     v.check(header.checksum)?;
     Ok(header)
+}
+
+/// Decodes an f32 payload into `out`: the coded values, and the id column when the frame
+/// has one.
+fn decode_values(
+    h: &Header,
+    payload: &[u8],
+    out: &mut [f32],
+    v: &mut Verify,
+) -> Result<(), WireError> {
+    let Some((rows, width)) = ids::rows_of(&h.shape).filter(|_| h.ids != Ids::None) else {
+        decode_payload_f32(&h.spec, payload, out, v);
+        return Ok(());
+    };
+    let coded = out.len() - rows;
+    let split = h.spec.raw_payload_len(coded).unwrap_or(usize::MAX);
+    if split > payload.len() || payload.len() - split != rows * h.ids.bytes() {
+        return Err(WireError::LengthMismatch {
+            expected: split.saturating_add(rows * h.ids.bytes()) as u64,
+            got: payload.len() as u64,
+        });
+    }
+    let (values, id_bytes) = payload.split_at(split);
+    let mut tmp = vec![0f32; coded];
+    decode_payload_f32(&h.spec, values, &mut tmp, v);
+    v.feed(id_bytes);
+    ids::merge(&tmp, id_bytes, h.ids, width, out);
+    Ok(())
 }
 
 fn decode_payload_f32(spec: &CodecSpec, payload: &[u8], out: &mut [f32], v: &mut Verify) {
@@ -386,7 +433,7 @@ pub fn decode(bytes: &[u8], limits: &Limits) -> Result<WireTensor, WireError> {
     let data = match header.dtype {
         DType::F32 => {
             let mut out = vec![0.0f32; n];
-            decode_payload_f32(&header.spec, &payload, &mut out, &mut v);
+            decode_values(&header, &payload, &mut out, &mut v)?;
             TensorData::F32(out)
         }
         DType::U32 => {

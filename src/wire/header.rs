@@ -3,6 +3,7 @@
 //! [`super::frame`]; encoding and decoding the payload live there too.
 
 use super::codec::{CodecSpec, DType, Quant, MAX_BLOCK};
+use super::ids::Ids;
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"SHTF";
@@ -120,6 +121,8 @@ pub struct Header {
     pub payload_len: u64,
     /// xxh3-64 of the payload as sent.
     pub checksum: u64,
+    /// How the id column travels (`spec.ids_last` exactly when it is not [`Ids::None`]).
+    pub ids: Ids,
 }
 
 impl Header {
@@ -178,7 +181,9 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
             "zstd level {zstd_level}"
         )));
     }
-    if bytes[9..12] != [0, 0, 0] {
+    let ids = Ids::from_code(bytes[9])
+        .ok_or_else(|| WireError::BadCodecParams(format!("id column mode {}", bytes[9])))?;
+    if bytes[10..12] != [0, 0] {
         return Err(WireError::BadCodecParams(
             "reserved bytes are not zero".into(),
         ));
@@ -232,7 +237,9 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
         quant,
         block_size,
         zstd_level,
+        ids_last: ids != Ids::None,
     };
+
     // elements ≤ max_elements fits usize on every platform we build for; check anyway.
     let shape: Vec<usize> = shape
         .into_iter()
@@ -242,7 +249,12 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
             elements,
             limit: limits.max_elements,
         })?;
-    let raw = raw_len(&spec, elements)?;
+    if ids != Ids::None && (dtype != DType::F32 || super::ids::rows_of(&shape).is_none()) {
+        return Err(WireError::BadCodecParams(
+            "an id column needs an f32 tensor of rank ≥ 1 with a last dim ≥ 1".into(),
+        ));
+    }
+    let raw = raw_len(&spec, ids, &shape)?;
     if raw > limits.max_bytes {
         return Err(WireError::TooLarge {
             bytes: raw,
@@ -261,36 +273,55 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
         shape,
         payload_len,
         checksum,
+        ids,
     };
     Ok((header, hlen))
 }
 
-pub(super) fn raw_len(spec: &CodecSpec, elements: u64) -> Result<u64, WireError> {
-    let n = usize::try_from(elements).map_err(|_| WireError::TooManyElements {
-        elements,
+/// Bytes of a payload before zstd: the coded values (all but the id column when there is
+/// one), then the ids.
+pub(super) fn raw_len(spec: &CodecSpec, ids: Ids, shape: &[usize]) -> Result<u64, WireError> {
+    let too_many = || WireError::TooManyElements {
+        elements: u64::MAX,
         limit: u64::MAX,
-    })?;
-    spec.raw_payload_len(n)
+    };
+    let n = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(too_many)?;
+    let (coded, extra) = match (ids, super::ids::rows_of(shape)) {
+        (Ids::None, _) => (n, 0),
+        (_, Some((rows, _))) => (n - rows, rows * ids.bytes()),
+        (_, None) => return Err(too_many()),
+    };
+    spec.raw_payload_len(coded)
+        .and_then(|l| l.checked_add(extra))
         .map(|l| l as u64)
-        .ok_or(WireError::TooManyElements {
-            elements,
-            limit: u64::MAX,
-        })
+        .ok_or_else(too_many)
 }
 
-/// Exact frame length for a tensor without zstd; `None` when zstd makes it data-dependent.
+/// The id column mode the encoder picks at most (for size bounds): u32 ids.
+fn ids_bound(spec: &CodecSpec) -> Ids {
+    if spec.ids_last {
+        Ids::U32
+    } else {
+        Ids::None
+    }
+}
+
+/// Exact frame length for a tensor without zstd; `None` when zstd or an id column (whose
+/// width depends on the ids) makes it data-dependent.
 pub fn encoded_len(shape: &[usize], spec: &CodecSpec) -> Option<usize> {
-    if spec.zstd_level > 0 {
+    if spec.zstd_level > 0 || spec.ids_last {
         return None;
     }
-    let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
-    header_len_for_rank(shape.len()).checked_add(spec.raw_payload_len(n)?)
+    let raw = raw_len(spec, Ids::None, shape).ok()?;
+    header_len_for_rank(shape.len()).checked_add(raw as usize)
 }
 
 /// An upper bound on the frame length for any codec, zstd included.
 pub fn max_encoded_len(shape: &[usize], spec: &CodecSpec) -> Option<usize> {
-    let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
-    let raw = spec.raw_payload_len(n)?;
+    let raw = raw_len(spec, ids_bound(spec), shape).ok()? as usize;
     let payload = if spec.zstd_level > 0 {
         zstd::zstd_safe::compress_bound(raw)
     } else {

@@ -3,7 +3,8 @@
 //! Pure code: bytes in, tensors or a typed [`WireError`] out. No tokio, no libp2p, no candle;
 //! the network layer reads frames off streams with [`header_len`] and [`parse_header`] and
 //! hands the bytes here. Codecs: exact f32, f16, bf16 and blockwise absmax int8, each
-//! optionally followed by zstd (see [`CodecSpec`] for names and [`frame`] for the layout).
+//! optionally followed by zstd (see [`CodecSpec`] for names and [`frame`] for the layout);
+//! an id column ([`ids`]) travels exactly beside any of them.
 //!
 //! Error bounds (checked by the property tests):
 //! - `f32`: exact.
@@ -19,10 +20,11 @@ compile_error!("shoal's wire format assumes a little-endian machine");
 pub mod codec;
 pub mod frame;
 pub mod header;
+pub mod ids;
 pub mod kernels;
 pub mod msg;
 
-pub use codec::{BadCodecName, CodecSpec, DType, Quant};
+pub use codec::{ActivationCodec, BadActivationCodec, BadCodecName, CodecSpec, DType, Quant};
 pub use frame::{
     decode, decode_f32_into, encode_f32, encode_u32, encoded_len, header_len, max_encoded_len,
     parse_header, Header, Limits, TensorData, WireError, WireTensor,

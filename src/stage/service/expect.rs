@@ -16,7 +16,8 @@ const BATCH_SLACK: usize = 2;
 pub enum Want {
     /// Token ids (or targets): u32 `[batch, seq]`.
     Tokens,
-    /// Activations or their gradient: f32 `[batch, seq, d_model]`.
+    /// Activations or their gradient: f32 `[batch, seq, width]` (`d_model`, or a subspace's
+    /// rank and the token id).
     Hidden,
     /// A chunk of a gradient sum or of its average: f32 `[n]`, `n ≤ PART_CHUNK`.
     Part,
@@ -40,7 +41,7 @@ impl Expect {
             last: stage + 1 == cfg.stages.count,
             batch: cfg.training.batch_size.max(1) * BATCH_SLACK,
             seq: cfg.model.seq_len.max(1),
-            d: cfg.model.d_model.max(1),
+            d: cfg.boundary_width().max(1),
         }
     }
 
@@ -137,10 +138,12 @@ mod tests {
                 quant: Quant::Raw,
                 block_size: 0,
                 zstd_level: 0,
+                ids_last: false,
             },
             shape: shape.to_vec(),
             payload_len: 0,
             checksum: 0,
+            ids: crate::wire::ids::Ids::None,
         }
     }
 

@@ -282,7 +282,7 @@ impl StageService {
             pusher: super::client::StageClient::new(
                 net.clone(),
                 manifest.id.clone(),
-                manifest.config.codecs.activations,
+                manifest.config.codecs.activations.wire(),
             )
             .with_timeout(push::SEND_TIMEOUT),
             neighbours: neighbours::Neighbours::new(net.clone(), manifest.id.clone()),
@@ -292,7 +292,7 @@ impl StageService {
             held_ahead: AtomicU32::new(0),
             failed: Mutex::new(None),
         });
-        let codec = manifest.config.codecs.activations;
+        let codec = manifest.config.codecs.activations.wire();
         let worker_shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name(format!("shoal-stage-{stage}"))

@@ -288,22 +288,11 @@ pub fn measure_throughput(
     stage: &Stage,
     batch: usize,
     seq_len: usize,
-    d_model: usize,
     min_iters: usize,
     budget: Duration,
 ) -> Result<f64, ModelError> {
-    let dev = stage.device();
-    let input = if stage.is_first() {
-        Tensor::zeros((batch, seq_len), DType::U32, dev)?
-    } else {
-        Tensor::randn(0f32, 1.0, (batch, seq_len, d_model), dev)?.to_dtype(stage.dtype())?
-    };
-    let up = if stage.is_last() {
-        Tensor::zeros((batch, seq_len), DType::U32, dev)?
-    } else {
-        (Tensor::randn(0f32, 1.0, (batch, seq_len, d_model), dev)? * 1e-3)?
-            .to_dtype(stage.dtype())?
-    };
+    let input = stage.example_input(batch, seq_len)?;
+    let up = stage.example_upstream(batch, seq_len)?;
     let once = || -> Result<(), ModelError> {
         let kept = stage.forward_kept(&input)?;
         let upstream = if stage.is_last() {
