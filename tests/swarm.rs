@@ -373,6 +373,38 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subspace_run_trains_in_the_swarm_as_it_does_locally() {
+    let _g = SERIAL.lock().await;
+    // Boundaries of 4 coefficients and the token id instead of 64 floats per token.
+    let mut cfg = run_config_of(2, 30);
+    cfg.model.family = shoal::config::Family::Llama;
+    cfg.codecs.activations = "subspace:4".parse().unwrap();
+    cfg.validate().unwrap();
+    let local = local_run(&cfg);
+    let samples = 30 * 32;
+    let dir = tempfile::tempdir().unwrap();
+    let s = swarm(&dir, &cfg, 2).await;
+    let t = trainers(&s, 2, samples / 16 / 2).await;
+    wait_trainers(&t, Duration::from_secs(240)).await;
+    let refs: Vec<&Peer> = s.peers.iter().collect();
+    settle(&refs).await;
+    let swarm_loss = eval(&s).await;
+    let (fed, done, failed) = check_accounting(&refs, &t, 2, None);
+    assert_eq!((fed, done, failed), (samples, samples, 0));
+    // Replicas of a stage hold the same parameters at every step.
+    let compared = tokio::task::block_in_place(|| histories_agree(&refs));
+    assert!(compared >= 2 * 10, "too few steps compared: {compared}");
+    let rel = (swarm_loss - local.eval_loss) / local.eval_loss;
+    eprintln!("subspace swarm eval {swarm_loss:.4}, local {:.4}", local.eval_loss);
+    assert!(rel.abs() < 0.05, "swarm {swarm_loss:.4} vs local {:.4}", local.eval_loss);
+    t.stop().await.unwrap();
+    for p in s.peers {
+        p.stop().await.unwrap();
+    }
+    s.boot.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trainers_that_never_wait_keep_replicas_identical_and_gradients_one_step_stale() {
     let _g = SERIAL.lock().await;
     let cfg = run_config_of(2, 200);

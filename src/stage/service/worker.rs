@@ -176,8 +176,12 @@ impl Worker {
     }
 
     fn encode(&self, t: &Tensor) -> Result<Vec<u8>, Fail> {
+        self.encode_as(t, &self.codec)
+    }
+
+    fn encode_as(&self, t: &Tensor, codec: &CodecSpec) -> Result<Vec<u8>, Fail> {
         let t0 = Instant::now();
-        let r = tensor::encode(t, &self.codec);
+        let r = tensor::encode(t, codec);
         self.shared
             .counters
             .encode_us
@@ -203,8 +207,13 @@ impl Worker {
                 } else {
                     (r.forward(&input, if job.dry { 0 } else { job.mb })?, 0)
                 };
+                let last = r.stage().is_last();
                 drop(r);
-                let frame = self.encode(&out)?;
+                // Logits carry no id column, whatever the boundaries do.
+                let frame = match last {
+                    true => self.encode_as(&out, &CodecSpec { ids_last: false, ..self.codec })?,
+                    false => self.encode(&out)?,
+                };
                 let mut header = ok(&self.shared, 1);
                 if sync {
                     // The step the microbatch was computed at here (assigned on stage 0).
