@@ -60,6 +60,9 @@ pub(crate) enum BenchCommand {
         /// Optimizer steps per codec.
         #[arg(long, default_value_t = 300, value_name = "N")]
         steps: u64,
+        /// Samples each codec trains on the swarm rows (0: no swarm rows).
+        #[arg(long, default_value_t = 3200, value_name = "N")]
+        swarm_samples: u64,
         /// The model's width (4 blocks in 2 stages).
         #[arg(long, default_value_t = 256, value_name = "D")]
         d_model: usize,

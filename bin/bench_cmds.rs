@@ -67,9 +67,12 @@ pub fn bench_streams(
     Ok(ExitCode::SUCCESS)
 }
 
+/// The home link of `bench compress`'s swarm rows.
+const SLOW_LINK: &str = "bw=20mbit,rtt=50ms";
+
 pub fn bench_compress(
     codecs: &str,
-    steps: u64,
+    (steps, swarm_samples): (u64, u64),
     d_model: usize,
     text: Option<PathBuf>,
     json: Option<PathBuf>,
@@ -78,8 +81,13 @@ pub fn bench_compress(
     if steps == 0 || d_model < 64 || d_model % 64 != 0 {
         bail!("--steps must be at least 1 and --d-model a multiple of 64");
     }
+    let scratch = match &text {
+        Some(_) => None,
+        None => Some(bc::docs_file()?),
+    };
+    let text = text.or_else(|| scratch.as_ref().map(|s| s.path().to_path_buf()));
     let cfg = CompressBenchConfig {
-        text,
+        text: text.clone(),
         codecs: codecs
             .split(',')
             .map(|c| c.parse::<shoal::wire::ActivationCodec>())
@@ -98,8 +106,37 @@ pub fn bench_compress(
         )
     })?;
     print!("{}", bc::table(&rows));
+    let mut all: Vec<serde_json::Value> = rows
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
+    if swarm_samples > 0 {
+        let link = shoal::net::link::LinkSpec::parse(SLOW_LINK).map_err(anyhow::Error::msg)?;
+        let file = text.clone().unwrap_or_default();
+        let runs: Vec<(String, shoal::config::RunConfig)> = cfg
+            .codecs
+            .iter()
+            .map(|&c| {
+                let mut run = bc::bench_config(&file, d_model, steps);
+                run.codecs.activations = c;
+                (c.to_string(), run)
+            })
+            .collect();
+        println!("\nswarm rows: 2 stages x 2 replicas, 2 trainers, synchronous steps of 32, every process behind {SLOW_LINK}");
+        let exe = std::env::current_exe().context("cannot find the shoal binary to start peers")?;
+        let swarm = runtime()?.block_on(crate::harness::bench_compress::swarm_rows(
+            exe,
+            &runs,
+            swarm_samples,
+            link,
+        ))?;
+        print!("{}", crate::harness::bench_compress::table(&swarm));
+        for r in &swarm {
+            all.push(serde_json::to_value(r)?);
+        }
+    }
     if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&rows)?;
+        let text = serde_json::to_string_pretty(&all)?;
         shoal::files::write_atomic(&path, text.as_bytes())
             .with_context(|| format!("cannot write {}", path.display()))?;
     }

@@ -162,7 +162,6 @@ struct CommonArgs {
     threads: Option<usize>,
 }
 
-
 pub(crate) fn parse_codec(s: &str) -> Result<CodecSpec> {
     Ok(s.parse::<CodecSpec>()?)
 }
@@ -390,11 +389,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 BenchCommand::Compress {
                     codecs,
                     steps,
+                    swarm_samples,
                     d_model,
                     text,
                     json,
                 },
-        } => bench_cmds::bench_compress(&codecs, steps, d_model, text, json),
+        } => bench_cmds::bench_compress(&codecs, (steps, swarm_samples), d_model, text, json),
         Command::Bench {
             which:
                 BenchCommand::Streams {

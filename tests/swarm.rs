@@ -395,8 +395,15 @@ async fn a_subspace_run_trains_in_the_swarm_as_it_does_locally() {
     let compared = tokio::task::block_in_place(|| histories_agree(&refs));
     assert!(compared >= 2 * 10, "too few steps compared: {compared}");
     let rel = (swarm_loss - local.eval_loss) / local.eval_loss;
-    eprintln!("subspace swarm eval {swarm_loss:.4}, local {:.4}", local.eval_loss);
-    assert!(rel.abs() < 0.05, "swarm {swarm_loss:.4} vs local {:.4}", local.eval_loss);
+    eprintln!(
+        "subspace swarm eval {swarm_loss:.4}, local {:.4}",
+        local.eval_loss
+    );
+    assert!(
+        rel.abs() < 0.05,
+        "swarm {swarm_loss:.4} vs local {:.4}",
+        local.eval_loss
+    );
     t.stop().await.unwrap();
     for p in s.peers {
         p.stop().await.unwrap();

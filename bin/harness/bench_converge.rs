@@ -152,17 +152,32 @@ fn target(cfg: &RunConfig) -> Result<f64, HarnessError> {
         .ok_or_else(|| HarnessError::Process("the tiny run has no target loss".into()))
 }
 
-/// Runs one swarm mode; `out` receives progress lines.
+/// Runs one swarm mode of [`converge_config`].
 pub async fn run_mode(mode: &str, opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
-    let label = format!("converge-{mode}");
-    let dir = in_scratch_dir(&label)?;
-    let r = run_in(mode, opts, &dir).await;
+    let cfg = converge_config(opts.samples, opts.target_batch);
+    let target = target(&cfg)?;
+    run_swarm(mode, &cfg, Some(target), opts, &format!("converge-{mode}")).await
+}
+
+/// Runs one swarm mode of `cfg` (2 stages × 2 replicas, 2 trainers feeding `opts.samples`
+/// samples), timing when the trainers' recent loss first reaches `target`.
+pub async fn run_swarm(
+    mode: &str,
+    cfg: &RunConfig,
+    target: Option<f64>,
+    opts: &ConvergeOptions,
+    label: &str,
+) -> Result<ConvergeRow, HarnessError> {
+    let dir = in_scratch_dir(label)?;
+    let r = run_in(mode, cfg, target.unwrap_or(f64::NEG_INFINITY), opts, &dir).await;
     super::bench_swarm::leave_scratch(&dir);
     r
 }
 
 async fn run_in(
     mode: &str,
+    cfg: &RunConfig,
+    target: f64,
     opts: &ConvergeOptions,
     dir: &std::path::Path,
 ) -> Result<ConvergeRow, HarnessError> {
@@ -173,9 +188,7 @@ async fn run_in(
         "no-sync" => (false, false),
         other => return Err(err(&format!("unknown mode {other:?}"))),
     };
-    let cfg = converge_config(opts.samples, opts.target_batch);
-    let target = target(&cfg)?;
-    let m = Manifest::from_config(&cfg).map_err(|e| err(&e))?;
+    let m = Manifest::from_config(cfg).map_err(|e| err(&e))?;
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
     let link = super::scenarios::link_arg(&opts.link);
@@ -210,7 +223,7 @@ async fn run_in(
                 "--report-ms",
                 "250",
                 "--microbatches",
-                &microbatches(&cfg, opts.samples).to_string(),
+                &microbatches(cfg, opts.samples).to_string(),
                 "--emulate-link",
                 &link,
             ]

@@ -8,6 +8,7 @@
 //!   scenario (averaging and state download of stages of real size).
 //! - [`bench_converge`]: `shoal bench converge` (time to a target loss per way of stepping).
 
+pub mod bench_compress;
 pub mod bench_converge;
 pub mod bench_large;
 pub mod bench_swarm;

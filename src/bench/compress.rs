@@ -150,19 +150,8 @@ pub fn run(
     let text = match &cfg.text {
         Some(p) => p.clone(),
         None => {
-            let corpus = docs_corpus(4 << 20);
-            if corpus.len() < 1 << 20 {
-                return Err(CompressError::NoText(format!(
-                    "only {} bytes of documentation found under /usr/share/doc: give --text FILE",
-                    corpus.len()
-                )));
-            }
-            scratch = Scratch(
-                std::env::temp_dir().join(format!("shoal-compress-{}.txt", std::process::id())),
-            );
-            crate::files::write_atomic(&scratch.0, &corpus)
-                .map_err(|e| CompressError::NoText(format!("{}: {e}", scratch.0.display())))?;
-            scratch.0.clone()
+            scratch = docs_file()?;
+            scratch.path().to_path_buf()
         }
     };
     let mut rows: Vec<CompressRow> = Vec::new();
@@ -198,8 +187,31 @@ pub fn run(
     Ok(rows)
 }
 
+/// The machine's documentation ([`docs_corpus`], 4 MB at most) in a scratch file.
+pub fn docs_file() -> Result<Scratch, CompressError> {
+    let corpus = docs_corpus(4 << 20);
+    if corpus.len() < 1 << 20 {
+        return Err(CompressError::NoText(format!(
+            "only {} bytes of documentation found under /usr/share/doc: give --text FILE",
+            corpus.len()
+        )));
+    }
+    let path = std::env::temp_dir().join(format!("shoal-compress-{}.txt", std::process::id()));
+    crate::files::write_atomic(&path, &corpus)
+        .map_err(|e| CompressError::NoText(format!("{}: {e}", path.display())))?;
+    Ok(Scratch(path))
+}
+
 /// A scratch file removed when dropped.
-struct Scratch(PathBuf);
+#[derive(Debug)]
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
 
 impl Drop for Scratch {
     fn drop(&mut self) {

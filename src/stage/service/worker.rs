@@ -211,7 +211,13 @@ impl Worker {
                 drop(r);
                 // Logits carry no id column, whatever the boundaries do.
                 let frame = match last {
-                    true => self.encode_as(&out, &CodecSpec { ids_last: false, ..self.codec })?,
+                    true => self.encode_as(
+                        &out,
+                        &CodecSpec {
+                            ids_last: false,
+                            ..self.codec
+                        },
+                    )?,
                     false => self.encode(&out)?,
                 };
                 let mut header = ok(&self.shared, 1);
