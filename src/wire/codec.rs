@@ -238,7 +238,7 @@ impl From<CodecSpec> for ActivationCodec {
 
 /// Why an activation codec name did not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown activation codec '{0}': expected f32, f16, bf16 or int8[:BLOCK] (optionally +zstd[1-3]), or subspace:RANK[+CODEC] (e.g. subspace:8+int8)")]
+#[error("unknown codec '{0}' for activations: expected f32, f16, bf16 or int8[:BLOCK] (optionally +zstd[1-3]), or subspace:RANK[+CODEC] (e.g. subspace:8+int8)")]
 pub struct BadActivationCodec(pub String);
 
 impl FromStr for ActivationCodec {
