@@ -175,21 +175,24 @@ fn finite_differences_match_staged_backward() -> R {
     check_finite_differences(text, &probes)
 }
 
+/// A two-block Llama in two stages, small enough for finite differences.
+const LLAMA_MICRO: &str = r#"
+    [model]
+    family = "llama"
+    vocab = 7
+    d_model = 8
+    n_layers = 2
+    n_heads = 2
+    n_kv_heads = 1
+    seq_len = 5
+    seed = 3
+    [stages]
+    count = 2
+"#;
+
 #[test]
 fn finite_differences_match_staged_backward_llama() -> R {
-    let text = r#"
-        [model]
-        family = "llama"
-        vocab = 7
-        d_model = 8
-        n_layers = 2
-        n_heads = 2
-        n_kv_heads = 1
-        seq_len = 5
-        seed = 3
-        [stages]
-        count = 2
-    "#;
+    let text = LLAMA_MICRO;
     let probes = [
         ("model.embed_tokens.weight", 9),
         ("model.layers.0.input_layernorm.weight", 2),
@@ -380,22 +383,6 @@ fn checkpoint_round_trips_bit_identically() -> R {
     Ok(())
 }
 
-const SUBSPACE_MICRO: &str = r#"
-    [model]
-    family = "llama"
-    vocab = 7
-    d_model = 8
-    n_layers = 2
-    n_heads = 2
-    n_kv_heads = 1
-    seq_len = 5
-    seed = 3
-    [stages]
-    count = 2
-    [codecs]
-    activations = "subspace:3"
-"#;
-
 #[test]
 fn finite_differences_match_staged_backward_through_a_subspace_boundary() -> R {
     // Stage 0 writes the stream through rank-3 factors and sends 3 coefficients and the
@@ -410,7 +397,8 @@ fn finite_differences_match_staged_backward_through_a_subspace_boundary() -> R {
         ("model.layers.1.mlp.down_proj.weight", 21),
         ("lm_head.weight", 11),
     ];
-    check_finite_differences(SUBSPACE_MICRO, &probes)
+    let text = format!("{LLAMA_MICRO}\n[codecs]\nactivations = \"subspace:3\"\n");
+    check_finite_differences(&text, &probes)
 }
 
 #[test]

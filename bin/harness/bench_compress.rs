@@ -41,8 +41,9 @@ pub struct SwarmRow {
     pub identical: bool,
 }
 
-/// Trains `runs` (label, run config) one after another on the swarm; the first is the
-/// reference whose final training loss every row is timed to.
+/// Trains `runs` (label, run config) one after another on the swarm: the first on
+/// `samples` samples, the others on twice as many; the first is the reference whose final
+/// training loss every row is timed to.
 pub async fn swarm_rows(
     exe: PathBuf,
     runs: &[(String, RunConfig)],
@@ -60,7 +61,14 @@ pub async fn swarm_rows(
         target_batch: TARGET_BATCH,
     };
     let mut raw: Vec<(String, ConvergeRow)> = Vec::new();
-    for (codec, run) in runs {
+    for (i, (codec, run)) in runs.iter().enumerate() {
+        // The later codecs may need more samples than the first to reach its final loss:
+        // they get twice as many, and are timed to that loss wherever they reach it.
+        let samples = if i == 0 { samples } else { 2 * samples };
+        let opts = ConvergeOptions {
+            samples,
+            ..opts.clone()
+        };
         let mut cfg = run.clone();
         cfg.training.target_batch_size = Some(TARGET_BATCH);
         cfg.training.steps = samples.div_ceil(TARGET_BATCH as u64).max(1);

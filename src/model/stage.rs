@@ -348,12 +348,12 @@ impl Stage {
         &self,
         input: &Tensor,
         pos: usize,
-        mut cache: Option<&mut [KvCache]>,
+        cache: Option<&mut [KvCache]>,
     ) -> candle_core::Result<Tensor> {
         if let Some(s) = &self.sub {
             return self.run_subspace(s, input, pos, cache);
         }
-        let mut x = match &self.embed {
+        let x = match &self.embed {
             Some(e) => {
                 let (b, t) = input.dims2()?;
                 let tok = e.wte.index_select(&input.flatten_all()?, 0)?;
@@ -365,6 +365,20 @@ impl Stage {
             }
             None => input.clone(),
         };
+        let x = self.blocks_at(x, pos, cache)?;
+        match &self.head {
+            Some(h) => h.lm_head.forward(&h.norm.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+
+    /// The stream `x` through this stage's blocks at positions `pos..`.
+    fn blocks_at(
+        &self,
+        mut x: Tensor,
+        pos: usize,
+        mut cache: Option<&mut [KvCache]>,
+    ) -> candle_core::Result<Tensor> {
         let ctx = Ctx {
             mask: &self.mask,
             rope: self.rope.as_ref(),
@@ -374,10 +388,7 @@ impl Stage {
             let c = cache.as_deref_mut().and_then(|c| c.get_mut(i));
             x = block.forward(&x, &ctx, c)?;
         }
-        match &self.head {
-            Some(h) => h.lm_head.forward(&h.norm.forward(&x)?),
-            None => Ok(x),
-        }
+        Ok(x)
     }
 
     /// [`Self::run_at`] under a subspace: the stream is rebuilt from the token ids and the
@@ -387,7 +398,7 @@ impl Stage {
         s: &Subspace,
         input: &Tensor,
         pos: usize,
-        mut cache: Option<&mut [KvCache]>,
+        cache: Option<&mut [KvCache]>,
     ) -> candle_core::Result<Tensor> {
         let (coef, ids) = match &self.embed {
             Some(e) => {
@@ -400,16 +411,7 @@ impl Stage {
                 .ok_or_else(|| candle_core::Error::Msg("not token ids in the id column".into()))?,
         };
         let fixed = s.fixed(&ids)?;
-        let mut x = s.expand(&fixed, &coef)?;
-        let ctx = Ctx {
-            mask: &self.mask,
-            rope: self.rope.as_ref(),
-            pos,
-        };
-        for (i, block) in self.blocks.iter().enumerate() {
-            let c = cache.as_deref_mut().and_then(|c| c.get_mut(i));
-            x = block.forward(&x, &ctx, c)?;
-        }
+        let x = self.blocks_at(s.expand(&fixed, &coef)?, pos, cache)?;
         match &self.head {
             Some(h) => h.lm_head.forward(&h.norm.forward(&x)?),
             None => s.pack(&s.project(&x, &fixed)?, &ids),
