@@ -74,17 +74,10 @@ impl Builder<'_> {
     /// (raising it by √(d/rank), so the write starts as large as a full projection's,
     /// trained worse: BENCHMARKS.md, issue 31).
     pub fn residual_linear(&mut self, name: &str, inp: usize, d: usize) -> Result<Linear> {
-        let Some(rank) = self.subspace.as_ref().map(|s| s.rank()) else {
-            return self.linear(name, inp, d, Role::Residual, false);
-        };
-        let std = self.weight_std(inp, Role::Residual);
-        let w = self.param(
-            &format!("{name}.sub.weight"),
-            &[rank, inp],
-            Init::Normal(std),
-            true,
-        )?;
-        Ok(Linear::new(w, None))
+        match self.subspace.as_ref().map(|s| s.rank()) {
+            Some(rank) => self.linear(&format!("{name}.sub"), inp, rank, Role::Residual, false),
+            None => self.linear(name, inp, d, Role::Residual, false),
+        }
     }
 
     /// A LayerNorm over the last dim with unit weight and zero bias.
