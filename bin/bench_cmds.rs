@@ -422,7 +422,8 @@ pub struct ConvergeArgs {
     #[arg(long, default_value_t = 12800, value_name = "N")]
     samples: u64,
     /// Comma-separated modes: synchronous, no-sync, delayed, delayed-plain (delayed without
-    /// weight prediction).
+    /// weight prediction), outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]] (local steps, an outer step of the
+    /// replicas' compressed pseudo-gradients every H).
     #[arg(
         long,
         default_value = "synchronous,no-sync,delayed",
@@ -456,15 +457,20 @@ pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
         bail!("--samples, --concurrency, --target-batch and --timeout must be at least 1");
     }
     let modes: Vec<String> = a.modes.split(',').map(|m| m.trim().to_string()).collect();
-    if let Some(m) = modes
-        .iter()
-        .find(|m| !bc::MODES.contains(&m.as_str()) && m.as_str() != bc::PLAIN_DELAYED)
-    {
+    if let Some(m) = modes.iter().find(|m| {
+        !bc::MODES.contains(&m.as_str()) && m.as_str() != bc::PLAIN_DELAYED && !bc::is_outer(m)
+    }) {
         bail!(
-            "unknown mode {m:?}; known: {}, {}",
+            "unknown mode {m:?}; known: {}, {}, outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]]",
             bc::MODES.join(", "),
             bc::PLAIN_DELAYED
         );
+    }
+    for m in modes.iter().filter(|m| bc::is_outer(m)) {
+        let mut cfg = bc::converge_config(a.samples, a.target_batch);
+        cfg.averaging = bc::outer_averaging(m).map_err(|e| anyhow::anyhow!(e))?;
+        cfg.validate()
+            .map_err(|e| anyhow::anyhow!("mode {m:?}: {e}"))?;
     }
     let link = shoal::net::link::LinkSpec::parse(&a.emulate_link)
         .map_err(|e| anyhow::anyhow!("--emulate-link: {e}"))?;

@@ -48,6 +48,8 @@ pub struct Banned {
 #[derive(Debug, Default)]
 pub struct Guard {
     max_norm_ratio: f64,
+    /// Norms are of a whole copy, not per sample (outer averaging).
+    per_copy: bool,
     norms: HashMap<u32, VecDeque<f64>>,
     records: HashMap<PeerId, Record>,
 }
@@ -75,6 +77,15 @@ impl Guard {
         }
     }
 
+    /// The same checks on copies that are each one member's pseudo-gradient (outer
+    /// averaging): a copy's norm is compared whole, and zero copies are not recorded.
+    pub fn per_copy(self) -> Self {
+        Self {
+            per_copy: true,
+            ..self
+        }
+    }
+
     /// Checks a member's copy of chunk `c`: the sum of `count` samples' mean gradients.
     /// An accepted copy's norm joins the chunk's history.
     pub fn check_part(&mut self, c: u32, values: &[f32], count: u64) -> Result<(), String> {
@@ -84,6 +95,14 @@ impl Guard {
             .map(|&x| f64::from(x) * f64::from(x))
             .sum::<f64>()
             .sqrt();
+        if self.per_copy {
+            // Outer averaging: a copy is a pseudo-gradient, whatever its samples; the
+            // zero copies of the steps between outer steps say nothing of its size.
+            if norm == 0.0 {
+                return Ok(());
+            }
+            return self.against_history(c, norm);
+        }
         if count == 0 {
             return if norm == 0.0 {
                 Ok(())
@@ -91,7 +110,11 @@ impl Guard {
                 Err("a nonzero sum of no samples".into())
             };
         }
-        let per = norm / count as f64;
+        self.against_history(c, norm / count as f64)
+    }
+
+    /// Checks `per` against chunk `c`'s recent norms and, accepted, records it.
+    fn against_history(&mut self, c: u32, per: f64) -> Result<(), String> {
         let h = self.norms.entry(c).or_default();
         if self.max_norm_ratio > 0.0 && h.len() >= MIN_HISTORY {
             let m = median(h);

@@ -8,7 +8,7 @@
 
 use libp2p::Multiaddr;
 use shoal::averaging::{Tamper, TamperKind};
-use shoal::config::{AggregateKind, RunConfig};
+use shoal::config::{AggregateKind, AveragingMode, RunConfig};
 use shoal::dht::Manifest;
 use shoal::net::{self, NetConfig};
 use shoal::stage::probe;
@@ -509,6 +509,87 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
     let loss = eval(&s).await;
     eprintln!("churn: eval loss {loss:.4}");
     assert!(loss < 2.2, "training did not continue: eval loss {loss:.4}");
+    t.stop().await.unwrap();
+    for p in s.peers {
+        p.stop().await.unwrap();
+    }
+    s.boot.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outer_run_loses_no_sample_to_a_replica_killed_mid_interval() {
+    let _g = SERIAL.lock().await;
+    let mut cfg = run_config_of(2, 24);
+    cfg.averaging.mode = Some(AveragingMode::Outer);
+    cfg.averaging.outer_every = Some(4);
+    cfg.validate().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = swarm(&dir, &cfg, 2).await;
+    // More microbatches than the run needs: the trainers stop at its last step (an outer
+    // step, so the replicas end identical).
+    let t = trainers(&s, 2, 400).await;
+    let of_stage = |s: &Swarm, i: usize| -> Vec<shoal::stage::service::ReplicaStatus> {
+        s.peers
+            .iter()
+            .filter(|p| p.stage() == Some(i))
+            .map(|p| p.service().unwrap().status())
+            .collect()
+    };
+    // Between outer steps the replicas step on their own samples: their parameters differ.
+    // Kill a replica of stage 1 in the middle of an interval.
+    let t0 = Instant::now();
+    let mut differed = false;
+    let at_kill = loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the run did not get going"
+        );
+        for i in 0..2 {
+            let st = of_stage(&s, i);
+            if st[0].params_step == st[1].params_step && st[0].params_step % 4 != 0 {
+                differed |= st[0].params_hash != st[1].params_hash;
+            }
+        }
+        let st = of_stage(&s, 1);
+        if differed && st[0].params_step >= 6 && st[0].params_step % 4 == 2 {
+            break st[0].params_step;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let pos = s.peers.iter().position(|p| p.stage() == Some(1)).unwrap();
+    let victim = s.peers.remove(pos);
+    let replica = victim.service().unwrap().replica();
+    let guard = replica.lock().await;
+    victim.kill().await;
+    let held = guard.accum_count() + guard.frozen_count();
+    drop(guard);
+    drop(replica);
+    wait_trainers(&t, Duration::from_secs(240)).await;
+    let refs: Vec<&Peer> = s.peers.iter().collect();
+    settle(&refs).await;
+    let (fed, done, failed) = check_accounting(&refs, &t, 2, Some((1, held)));
+    eprintln!(
+        "outer churn: killed at step {at_kill} holding {held}; fed {fed} completed {done} failed {failed}"
+    );
+    // The survivor of stage 1 went on through outer steps of its own.
+    let survivor = s.peers.iter().find(|p| p.stage() == Some(1)).unwrap();
+    let st = survivor.service().unwrap().status();
+    assert!(
+        st.params_step >= 24,
+        "stage 1 stopped at step {}",
+        st.params_step
+    );
+    assert_eq!(
+        st.shared_hash, st.params_hash,
+        "stage 1 did not end on an outer step"
+    );
+    // Stage 0's replicas meet at every outer step: identical at the end (settled above),
+    // and their step histories agree at the outer steps they both took.
+    let st0 = of_stage(&s, 0);
+    assert_eq!(st0[0].params_hash, st0[1].params_hash);
+    let loss = eval(&s).await;
+    eprintln!("outer churn: eval loss {loss:.4}");
+    assert!(loss < 2.3, "training did not go on: eval loss {loss:.4}");
     t.stop().await.unwrap();
     for p in s.peers {
         p.stop().await.unwrap();

@@ -15,7 +15,15 @@
 //! - `no-sync`: trainers never wait and kept forwards are used however old (gradients may
 //!   be several steps stale; what shoal did before delayed updates);
 //! - `delayed-plain` (only when asked): `delayed` without weight prediction, every
-//!   gradient computed at the parameters as they are.
+//!   gradient computed at the parameters as they are;
+//! - `outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]]` (only when asked): synchronous steps with
+//!   `averaging.mode = "outer"`: each replica steps on its own samples, and every H steps
+//!   (default 8) the replicas average their pseudo-gradients, the largest DENSITY of each
+//!   chunk (default 0.03, 1 = whole), and take an outer Nesterov step at LR (default 0.7)
+//!   with MOMENTUM (default 0.9). Its
+//!   trainers feed until the stages reach the run's last step (an outer step), so that the
+//!   replicas end identical: the same samples as `synchronous` when its steps hold exactly
+//!   the target batch.
 //!
 //! Per mode: samples/s, the swarm's held-out loss after the last step (the demo's
 //! evaluation, on the same batches for every mode), and the seconds from the trainers'
@@ -94,6 +102,11 @@ pub struct ConvergeRow {
     pub seconds_to_target: Option<f64>,
     /// Whether every stage's replicas ended at one step and one parameter hash.
     pub identical: bool,
+    /// The same, under the name the low-communication check reads.
+    pub replicas_identical: bool,
+    /// Bytes the replicas sent for averaging (parts and reduced parts, every replica)
+    /// per sample completed.
+    pub averaging_bytes_per_sample: f64,
     /// The training curve: (seconds, samples completed, recent training loss), about one
     /// point a second.
     pub curve: Vec<(f64, u64, f64)>,
@@ -186,8 +199,17 @@ async fn run_in(
         "synchronous" => (true, true),
         "delayed" | PLAIN_DELAYED => (false, true),
         "no-sync" => (false, false),
+        _ if is_outer(mode) => (true, true),
         other => return Err(err(&format!("unknown mode {other:?}"))),
     };
+    let mut cfg = cfg.clone();
+    let mut feed = microbatches(&cfg, opts.samples);
+    if is_outer(mode) {
+        cfg.averaging = outer_averaging(mode).map_err(|e| err(&e))?;
+        // Enough to reach the run's last step, where the trainers stop.
+        feed += feed / 8 + 1;
+    }
+    let cfg = &cfg;
     let m = Manifest::from_config(cfg).map_err(|e| err(&e))?;
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
     let exe = &opts.exe;
@@ -198,7 +220,17 @@ async fn run_in(
         for r in 0..REPLICAS {
             let name = format!("stage{s}-replica{r}");
             let mut a = peer_args(&m.id, Some(&baddr), &s.to_string(), &format!("{name}.key"));
-            a.extend(["--rebalance-every", "0", "--emulate-link", &link].map(String::from));
+            a.extend(
+                [
+                    "--rebalance-every",
+                    "0",
+                    "--emulate-link",
+                    &link,
+                    "--counters-ms",
+                    "500",
+                ]
+                .map(String::from),
+            );
             if !bounded {
                 a.push("--unbounded-staleness".into());
             }
@@ -223,7 +255,7 @@ async fn run_in(
                 "--report-ms",
                 "250",
                 "--microbatches",
-                &microbatches(cfg, opts.samples).to_string(),
+                &feed.to_string(),
                 "--emulate-link",
                 &link,
             ]
@@ -281,6 +313,7 @@ async fn run_in(
         .await
         .map_err(|e| HarnessError::Swarm(e.to_string()))?;
     let (hashes, identical) = replica_hashes(&net, &m).await?;
+    let averaging_bytes = averaging_bytes(&mut peers);
     let steps = hashes
         .iter()
         .flat_map(|v| v.iter().map(|h| h.1))
@@ -298,8 +331,61 @@ async fn run_in(
         eval_loss,
         seconds_to_target: to_target,
         identical,
+        replicas_identical: identical,
+        averaging_bytes_per_sample: averaging_bytes as f64 / total.completed.max(1) as f64,
         curve,
     })
+}
+
+/// Whether `mode` names outer averaging (`outer`, `outer:H`, `outer:H:DENSITY`, ...).
+pub fn is_outer(mode: &str) -> bool {
+    mode == "outer" || mode.starts_with("outer:")
+}
+
+/// The `[averaging]` table of an outer mode's name.
+pub fn outer_averaging(mode: &str) -> Result<shoal::config::AveragingConfig, String> {
+    let mut a = shoal::config::AveragingConfig {
+        mode: Some(shoal::config::AveragingMode::Outer),
+        ..Default::default()
+    };
+    let bad = || format!("mode {mode:?}: expected outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]]");
+    let mut parts = mode.split(':').skip(1);
+    if let Some(h) = parts.next() {
+        a.outer_every = Some(h.parse().map_err(|_| bad())?);
+    }
+    if let Some(d) = parts.next() {
+        a.outer_density = Some(d.parse().map_err(|_| bad())?);
+    }
+    if let Some(l) = parts.next() {
+        a.outer_lr = Some(l.parse().map_err(|_| bad())?);
+    }
+    if let Some(m) = parts.next() {
+        a.outer_momentum = Some(m.parse().map_err(|_| bad())?);
+    }
+    if let Some(c) = parts.next() {
+        a.outer_codec = Some(c.parse().map_err(|_| bad())?);
+    }
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok(a)
+}
+
+/// The part and reduced-part bytes every replica reported sending, summed (each
+/// replica's latest counters).
+fn averaging_bytes(peers: &mut [Proc]) -> u64 {
+    let mut latest = std::collections::HashMap::new();
+    for p in peers.iter_mut() {
+        for e in p.drain() {
+            if let shoal::swarm::events::Event::Counters {
+                averaging: Some(a), ..
+            } = e
+            {
+                latest.insert(p.name.clone(), a.bytes_sent);
+            }
+        }
+    }
+    latest.values().sum()
 }
 
 /// The reference: `train --local` on the same run, in this process.
@@ -343,6 +429,8 @@ pub fn run_local(opts: &ConvergeOptions) -> Result<ConvergeRow, HarnessError> {
         eval_loss: report.eval_loss,
         seconds_to_target: to_target,
         identical: true,
+        replicas_identical: true,
+        averaging_bytes_per_sample: 0.0,
         curve,
     })
 }

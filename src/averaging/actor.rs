@@ -280,7 +280,7 @@ impl State {
             st.accum_count,
             st.frozen_count,
             st.owed_count,
-            st.params_hash.clone(),
+            st.shared_hash.clone(),
         );
         // Changes are sent at most every 100 ms (not one message per microbatch to every
         // replica), but see the exceptions below.
@@ -317,7 +317,7 @@ impl State {
                 accum_step: st.accum_step,
                 count: st.accum_count,
                 frozen: st.frozen_count,
-                hash: st.params_hash.clone(),
+                hash: st.shared_hash.clone(),
                 uplink: self.stats.uplink.load(Ordering::Relaxed),
                 owed: st.owed_count,
                 lost: plan::seen_lost(&input, mine.at, &self.cfg),

@@ -102,6 +102,10 @@ pub struct AveragerConfig {
     /// A member's chunk whose per-sample norm exceeds this multiple of the chunk's recent
     /// median is rejected (0: no check).
     pub max_norm_ratio: f64,
+    /// Outer averaging (`averaging.mode = "outer"`): rounds every step still close the
+    /// stage's steps, but carry nothing but on outer steps, where the members' copies are
+    /// sparse pseudo-gradients averaged member by member.
+    pub outer: Option<crate::config::OuterSettings>,
     /// Makes this replica send corrupted parts: for tests of robust aggregation only (no
     /// command-line flag sets it).
     #[doc(hidden)]
@@ -171,7 +175,17 @@ impl AveragerConfig {
             state_chunk: sync::STATE_CHUNK,
             aggregate: reduce::Aggregate::Mean,
             max_norm_ratio: crate::config::AveragingConfig::MAX_NORM_RATIO,
+            outer: None,
             tamper: None,
+        }
+    }
+
+    /// How the chunks of parts and reduced parts are coded: the gradient codec, sparse
+    /// (mostly-zero chunks as their nonzero values) in outer mode.
+    pub fn chunk_codec(&self) -> wire::ChunkCodec {
+        wire::ChunkCodec {
+            values: self.codec,
+            sparse: self.outer.is_some(),
         }
     }
 
@@ -202,6 +216,11 @@ impl AveragerConfig {
             },
         };
         c.max_norm_ratio = a.max_norm_ratio.unwrap_or(AveragingConfig::MAX_NORM_RATIO);
+        c.outer = a.outer();
+        if let Some(o) = c.outer {
+            c.aggregate = reduce::Aggregate::MemberMean;
+            c.codec = o.codec;
+        }
         c.round_timeout = match run.averaging.round_timeout_s {
             Some(s) => Duration::from_secs_f64(s),
             None => Self::round_timeout_for(numel, &c.codec),
@@ -372,7 +391,10 @@ impl Averager {
             stage: service.stage(),
             n: service.numel(),
             gradient_bytes: part_bytes as u64,
-            guard: guard::Guard::new(cfg.max_norm_ratio),
+            guard: match cfg.outer {
+                Some(_) => guard::Guard::new(cfg.max_norm_ratio).per_copy(),
+                None => guard::Guard::new(cfg.max_norm_ratio),
+            },
             cfg,
             client,
             service,

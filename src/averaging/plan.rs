@@ -42,7 +42,7 @@ impl View {
             accum_step: st.accum_step,
             count: st.accum_count,
             frozen: st.frozen_count,
-            hash: st.params_hash.clone(),
+            hash: st.shared_hash.clone(),
             uplink: 0,
             owed: st.owed_count,
             lost: 0,

@@ -39,6 +39,9 @@ pub fn reduce_part(sums: &[(&[f32], u64)], len: usize) -> (Vec<f32>, u64) {
 pub enum Aggregate {
     /// The mean over every sample of every member.
     Mean,
+    /// The mean over the members' copies, each weighing the same whatever its samples
+    /// (outer averaging: every replica's pseudo-gradient counts once).
+    MemberMean,
     /// CenteredClip over the members' mean gradients (each member weighs the same, so a
     /// member cannot buy weight by claiming samples).
     CenteredClip {

@@ -142,9 +142,12 @@ struct Partial {
 
 impl Partial {
     fn add(&mut self, aggregate: Aggregate, values: &[f32], count: u64) {
-        self.count += count;
+        self.count += match aggregate {
+            Aggregate::MemberMean => 1,
+            _ => count,
+        };
         match aggregate {
-            Aggregate::Mean => {
+            Aggregate::Mean | Aggregate::MemberMean => {
                 for (a, &x) in self.sum.iter_mut().zip(values) {
                     *a += f64::from(x);
                 }
@@ -165,7 +168,7 @@ impl Partial {
 
     fn result(&self, aggregate: Aggregate, len: usize) -> Vec<f32> {
         match aggregate {
-            Aggregate::Mean => reduce::average(&self.sum, self.count),
+            Aggregate::Mean | Aggregate::MemberMean => reduce::average(&self.sum, self.count),
             Aggregate::CenteredClip { tau, iters } => {
                 let means: Vec<&[f32]> = self.means.iter().map(Vec::as_slice).collect();
                 reduce::centered_clip(&means, len, tau, iters)
@@ -351,9 +354,13 @@ impl Tally {
         }
         self.close(c);
         let sum: Vec<f64> = own.0.iter().map(|&x| f64::from(x)).collect();
+        let over = match self.aggregate {
+            Aggregate::MemberMean => 1,
+            _ => own.1,
+        };
         Taken::Reduced {
             chunk: c,
-            avg: reduce::average(&sum, own.1),
+            avg: reduce::average(&sum, over),
             total: self.own_declared.unwrap_or(own.1),
         }
     }
@@ -451,7 +458,7 @@ impl Frames {
         if last.as_ref().map(|(j, _)| *j) != Some(i) {
             let (range, frame) = &self.chunks[i];
             let mut v = last.take().map(|(_, v)| v).unwrap_or_default();
-            wire::decode_f32_into(frame, &Limits::default(), &mut v)
+            wire::decode_chunk_into(frame, &Limits::default(), &mut v)
                 .map_err(|e| format!("a reduced chunk does not decode: {e}"))?;
             if v.len() != range.len() {
                 return Err("a reduced chunk of the wrong length".into());

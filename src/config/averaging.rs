@@ -17,6 +17,20 @@ pub enum AggregateKind {
     CenteredClip,
 }
 
+/// What the replicas of a stage average (`averaging.mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AveragingMode {
+    /// Every step's gradients (the replicas stay identical after every step).
+    #[default]
+    Step,
+    /// Local steps and outer steps (DiLoCo/SparseLoCo): each replica applies its own
+    /// gradients with the inner optimizer, and every `outer_every` steps the replicas
+    /// average their compressed pseudo-gradients (the outer parameters minus their own)
+    /// and take one outer Nesterov step, after which they are identical again.
+    Outer,
+}
+
 /// How the replicas of a stage average. Every knob is optional: the defaults scale with
 /// the stage (see `AveragerConfig::for_run` in the averaging layer).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -50,6 +64,30 @@ pub struct AveragingConfig {
     /// Chunks holding NaN or ±inf are always rejected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_norm_ratio: Option<f64>,
+    /// `step` (default) or `outer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<AveragingMode>,
+    /// Outer mode: steps between outer steps (default 8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_every: Option<u64>,
+    /// Outer mode: the outer learning rate (default 1 for a sparse pseudo-gradient, 0.7
+    /// for a whole one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_lr: Option<f64>,
+    /// Outer mode: the outer Nesterov momentum (default 0 for a sparse pseudo-gradient,
+    /// whose error feedback already carries the past, as SparseLoCo; 0.9 for a whole one,
+    /// as DiLoCo).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_momentum: Option<f64>,
+    /// Outer mode: the fraction of each chunk of the pseudo-gradient sent (its largest
+    /// values; the rest is carried to the next outer step by error feedback). 1 sends it
+    /// whole. Default 0.03.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_density: Option<f64>,
+    /// Outer mode: the codec of the pseudo-gradient's values (default `int4+zstd1`: error
+    /// feedback carries what the coarse codes miss).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_codec: Option<crate::wire::CodecSpec>,
 }
 
 impl AveragingConfig {
@@ -59,6 +97,34 @@ impl AveragingConfig {
     pub const CLIP_ITERS: u32 = 10;
     /// The norm check's ratio by default.
     pub const MAX_NORM_RATIO: f64 = 50.0;
+    /// Steps between outer steps by default.
+    pub const OUTER_EVERY: u64 = 8;
+    /// The outer learning rate by default: (sparse, whole) pseudo-gradients.
+    pub const OUTER_LR: (f64, f64) = (1.0, 0.7);
+    /// The outer momentum by default: (sparse, whole) pseudo-gradients.
+    pub const OUTER_MOMENTUM: (f64, f64) = (0.0, 0.9);
+    /// The pseudo-gradient's density by default.
+    pub const OUTER_DENSITY: f64 = 0.03;
+    /// The pseudo-gradient's codec by default: int4 (blocks of 64), then zstd level 1.
+    pub const OUTER_CODEC: crate::wire::CodecSpec = crate::wire::CodecSpec {
+        quant: crate::wire::Quant::Int4,
+        block_size: crate::wire::codec::DEFAULT_BLOCK,
+        zstd_level: 1,
+        ids_last: false,
+    };
+
+    /// The outer-step settings when the mode is `outer`.
+    pub fn outer(&self) -> Option<OuterSettings> {
+        let density = self.outer_density.unwrap_or(Self::OUTER_DENSITY);
+        let pick = |(sparse, whole): (f64, f64)| if density < 1.0 { sparse } else { whole };
+        (self.mode == Some(AveragingMode::Outer)).then(|| OuterSettings {
+            every: self.outer_every.unwrap_or(Self::OUTER_EVERY),
+            lr: self.outer_lr.unwrap_or(pick(Self::OUTER_LR)) as f32,
+            momentum: self.outer_momentum.unwrap_or(pick(Self::OUTER_MOMENTUM)) as f32,
+            density,
+            codec: self.outer_codec.unwrap_or(Self::OUTER_CODEC),
+        })
+    }
 
     pub(super) fn is_default(&self) -> bool {
         *self == Self::default()
@@ -101,8 +167,65 @@ impl AveragingConfig {
             self.max_norm_ratio,
             |r| r == 0.0 || (r.is_finite() && r >= 1.0),
             "0 (off) or at least 1",
-        )
+        )?;
+        knob(
+            "outer_every",
+            self.outer_every,
+            |h| (1..=100_000).contains(&h),
+            "in 1..=100000",
+        )?;
+        knob(
+            "outer_lr",
+            self.outer_lr,
+            |l| l.is_finite() && l > 0.0 && l <= 10.0,
+            "in (0, 10]",
+        )?;
+        knob(
+            "outer_momentum",
+            self.outer_momentum,
+            |m| m.is_finite() && (0.0..1.0).contains(&m),
+            "in [0, 1)",
+        )?;
+        knob(
+            "outer_density",
+            self.outer_density,
+            |d| d.is_finite() && d > 0.0 && d <= 1.0,
+            "in (0, 1]",
+        )?;
+        let outer_knob = [
+            ("outer_every", self.outer_every.is_some()),
+            ("outer_lr", self.outer_lr.is_some()),
+            ("outer_momentum", self.outer_momentum.is_some()),
+            ("outer_density", self.outer_density.is_some()),
+            ("outer_codec", self.outer_codec.is_some()),
+        ]
+        .into_iter()
+        .find(|(_, set)| *set);
+        match (self.mode.unwrap_or_default(), outer_knob) {
+            (AveragingMode::Step, Some((name, _))) => Err(format!(
+                "averaging.{name} applies to mode = \"outer\" only (set averaging.mode = \"outer\" or remove it)"
+            )),
+            (AveragingMode::Outer, _) if self.aggregate == Some(AggregateKind::CenteredClip) => {
+                Err("averaging.aggregate = \"centered_clip\" is not supported with mode = \"outer\" (the outer step averages the replicas' pseudo-gradients)".into())
+            }
+            _ => Ok(()),
+        }
     }
+}
+
+/// The outer-step knobs of a run in `outer` mode, defaults filled in.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterSettings {
+    /// Steps between outer steps.
+    pub every: u64,
+    /// Outer learning rate.
+    pub lr: f32,
+    /// Outer Nesterov momentum.
+    pub momentum: f32,
+    /// Fraction of each pseudo-gradient chunk sent.
+    pub density: f64,
+    /// Codec of the values sent.
+    pub codec: crate::wire::CodecSpec,
 }
 
 /// `Err("averaging.NAME must be WANT, got V")` when the knob is set and `ok` refuses it.

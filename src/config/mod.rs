@@ -7,7 +7,7 @@
 mod averaging;
 mod model;
 
-pub use averaging::{AggregateKind, AveragingConfig};
+pub use averaging::{AggregateKind, AveragingConfig, AveragingMode, OuterSettings};
 pub use model::{Family, InitScheme, ModelConfig};
 
 use crate::wire::{ActivationCodec, CodecSpec};

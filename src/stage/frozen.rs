@@ -5,7 +5,7 @@
 //! the round runs, and decodes one chunk at a time where it reduces its own part.
 
 use crate::model::ModelError;
-use crate::wire::{self, CodecSpec, Limits};
+use crate::wire::{self, ChunkCodec, CodecSpec, Limits};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -33,16 +33,44 @@ pub struct EncodedSum {
 impl EncodedSum {
     /// Encodes `values` in chunks of `chunk` values with `codec`.
     pub fn encode(values: &[f32], chunk: usize, codec: &CodecSpec) -> Result<Self, ModelError> {
+        Self::encode_chunks(values, chunk, &ChunkCodec::dense(*codec))
+    }
+
+    /// Encodes `values` in chunks of `chunk` values, each coded by `codec` (sparse or not).
+    pub fn encode_chunks(
+        values: &[f32],
+        chunk: usize,
+        codec: &ChunkCodec,
+    ) -> Result<Self, ModelError> {
         let (n, chunk) = (values.len(), chunk.max(1));
         let frames = (0..n.div_ceil(chunk).max(1))
             .map(|c| {
                 let r = chunk_range(n, chunk, c);
                 let mut f = Vec::new();
-                wire::encode_f32(&[r.len()], &values[r], codec, &mut f)
+                wire::encode_chunk(&values[r], codec, &mut f)
                     .map_err(|e| ModelError::BadInput(format!("encoding a gradient: {e}")))?;
                 Ok(Arc::new(f))
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Self { n, chunk, frames })
+    }
+
+    /// `n` zeros in chunks of `chunk` (one frame per distinct chunk length, shared).
+    pub fn zeros(n: usize, chunk: usize, codec: &ChunkCodec) -> Result<Self, ModelError> {
+        let chunk = chunk.max(1);
+        let count = n.div_ceil(chunk).max(1);
+        let frame = |len: usize| -> Result<Arc<Vec<u8>>, ModelError> {
+            let mut f = Vec::new();
+            wire::encode_chunk(&vec![0.0; len], codec, &mut f)
+                .map_err(|e| ModelError::BadInput(format!("encoding a gradient: {e}")))?;
+            Ok(Arc::new(f))
+        };
+        let full = frame(chunk.min(n))?;
+        let last = chunk_range(n, chunk, count - 1).len();
+        let mut frames = vec![full.clone(); count];
+        if last != chunk.min(n) {
+            frames[count - 1] = frame(last)?;
+        }
         Ok(Self { n, chunk, frames })
     }
 
@@ -72,7 +100,7 @@ impl EncodedSum {
             .frame(c)
             .ok_or_else(|| ModelError::BadInput(format!("no chunk {c} of the frozen sum")))?;
         let mut out = Vec::new();
-        wire::decode_f32_into(frame, &Limits::default(), &mut out)
+        wire::decode_chunk_into(frame, &Limits::default(), &mut out)
             .map_err(|e| ModelError::BadInput(format!("decoding the frozen sum: {e}")))?;
         Ok(out)
     }

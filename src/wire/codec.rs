@@ -44,6 +44,9 @@ pub enum Quant {
     Bf16 = 2,
     /// Blockwise absmax 8-bit: one bf16 scale per block, one signed byte per value.
     Int8 = 3,
+    /// Blockwise absmax 4-bit: one bf16 scale per block, two values per byte (codes in
+    /// −7..=7). For what error feedback corrects (outer averaging's pseudo-gradients).
+    Int4 = 4,
 }
 
 impl Quant {
@@ -59,6 +62,7 @@ impl Quant {
             1 => Some(Self::F16),
             2 => Some(Self::Bf16),
             3 => Some(Self::Int8),
+            4 => Some(Self::Int4),
             _ => None,
         }
     }
@@ -76,7 +80,7 @@ pub const ZSTD_LEVELS: std::ops::RangeInclusive<u8> = 1..=3;
 pub struct CodecSpec {
     /// The element encoding.
     pub quant: Quant,
-    /// Values per scale for `Int8`; 0 for the other codecs.
+    /// Values per scale for `Int8` and `Int4`; 0 for the other codecs.
     pub block_size: u32,
     /// zstd level applied after the element encoding; 0 means no zstd.
     pub zstd_level: u8,
@@ -120,13 +124,17 @@ impl CodecSpec {
                 let blocks = n.div_ceil(self.block_size.max(1) as usize);
                 blocks.checked_mul(2)?.checked_add(n)
             }
+            Quant::Int4 => {
+                let blocks = n.div_ceil(self.block_size.max(1) as usize);
+                blocks.checked_mul(2)?.checked_add(n.div_ceil(2))
+            }
         }
     }
 }
 
 /// Why a codec name did not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown codec '{0}': expected f32, f16, bf16 or int8[:BLOCK], optionally +zstd[1-3] (e.g. int8+zstd)")]
+#[error("unknown codec '{0}': expected f32, f16, bf16, int8[:BLOCK] or int4[:BLOCK], optionally +zstd[1-3] (e.g. int8+zstd)")]
 pub struct BadCodecName(pub String);
 
 impl FromStr for CodecSpec {
@@ -164,6 +172,8 @@ impl FromStr for CodecSpec {
             ("bf16", None) => (Quant::Bf16, 0),
             ("int8", None) => (Quant::Int8, DEFAULT_BLOCK),
             ("int8", Some(b)) if (1..=MAX_BLOCK).contains(&b) => (Quant::Int8, b),
+            ("int4", None) => (Quant::Int4, DEFAULT_BLOCK),
+            ("int4", Some(b)) if (1..=MAX_BLOCK).contains(&b) => (Quant::Int4, b),
             _ => return Err(bad()),
         };
         Ok(Self {
@@ -183,6 +193,8 @@ impl fmt::Display for CodecSpec {
             Quant::Bf16 => write!(f, "bf16")?,
             Quant::Int8 if self.block_size == DEFAULT_BLOCK => write!(f, "int8")?,
             Quant::Int8 => write!(f, "int8:{}", self.block_size)?,
+            Quant::Int4 if self.block_size == DEFAULT_BLOCK => write!(f, "int4")?,
+            Quant::Int4 => write!(f, "int4:{}", self.block_size)?,
         }
         if self.zstd_level > 0 {
             write!(f, "+zstd{}", self.zstd_level)?;

@@ -9,7 +9,8 @@
 //! 7       1         zstd level (0 = none)
 //! 8       1         rank (≤ 8)
 //! 9       1         id column (0 none, 1 zeros not sent, 2 u16, 3 u32: [`super::ids`])
-//! 10      2         reserved, zero
+//! 10      1         sparse (0 no, 1: the payload holds the nonzeros only: [`super::sparse`])
+//! 11      1         reserved, zero
 //! 12      4         int8 block size (0 for other codecs)
 //! 16      8·rank    dims
 //! ..      8         payload length
@@ -72,6 +73,17 @@ fn push_header(
     shape: &[usize],
     ids: Ids,
 ) -> usize {
+    push_header_of(out, dtype, spec, shape, ids, false)
+}
+
+fn push_header_of(
+    out: &mut Vec<u8>,
+    dtype: DType,
+    spec: &CodecSpec,
+    shape: &[usize],
+    ids: Ids,
+    sparse: bool,
+) -> usize {
     let start = out.len();
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[
@@ -81,7 +93,7 @@ fn push_header(
         spec.zstd_level,
         shape.len() as u8,
         ids.code(),
-        0,
+        u8::from(sparse),
         0,
     ]);
     out.extend_from_slice(&spec.block_size.to_le_bytes());
@@ -170,6 +182,14 @@ fn push_payload_f32(out: &mut Vec<u8>, data: &[f32], spec: &CodecSpec, hash: &mu
             hash.update(bytes);
             out.extend_from_slice(bytes);
         }
+        Quant::Int4 => {
+            let (codes, scales) = kernels::int4_encode(data, spec.block_size as usize);
+            hash.update(&codes);
+            out.extend_from_slice(&codes);
+            let bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+            hash.update(&bytes);
+            out.extend_from_slice(&bytes);
+        }
     }
 }
 
@@ -220,6 +240,40 @@ pub fn encode_f32(
     finish(out, start, shape.len(), spec.zstd_level, hash)
 }
 
+/// Appends one sparse frame to `out`: an f32 vector of `n` values, zero but for `values`
+/// at the increasing `positions` ([`super::sparse`]); returns the bytes written.
+pub fn encode_f32_sparse(
+    n: usize,
+    positions: &[u32],
+    values: &[f32],
+    spec: &CodecSpec,
+    out: &mut Vec<u8>,
+) -> Result<usize, WireError> {
+    validate_spec(spec)?;
+    if spec.ids_last {
+        return Err(WireError::BadInput(
+            "a sparse vector has no id column".into(),
+        ));
+    }
+    if positions.len() != values.len() {
+        return Err(WireError::BadInput(format!(
+            "{} positions for {} values",
+            positions.len(),
+            values.len()
+        )));
+    }
+    let mut hash = Xxh3::new();
+    let start = push_header_of(out, DType::F32, spec, &[n], Ids::None, true);
+    let at = out.len();
+    if let Err(e) = super::sparse::push_positions(out, n, positions) {
+        out.truncate(start);
+        return Err(e);
+    }
+    hash.update(&out[at..]);
+    push_payload_f32(out, values, spec, &mut hash);
+    finish(out, start, 1, spec.zstd_level, hash)
+}
+
 /// Appends one frame holding a u32 tensor (raw, optionally zstd) to `out`.
 pub fn encode_u32(
     shape: &[usize],
@@ -240,7 +294,7 @@ pub fn encode_u32(
 
 fn validate_spec(spec: &CodecSpec) -> Result<(), WireError> {
     let ok_block = match spec.quant {
-        Quant::Int8 => (1..=MAX_BLOCK).contains(&spec.block_size),
+        Quant::Int8 | Quant::Int4 => (1..=MAX_BLOCK).contains(&spec.block_size),
         _ => spec.block_size == 0,
     };
     if !ok_block || spec.zstd_level > 22 {
@@ -274,6 +328,16 @@ fn open<'a>(
     }
     if xxhash_rust::xxh3::xxh3_64(payload) != header.checksum {
         return Err(WireError::ChecksumMismatch);
+    }
+    if header.sparse {
+        // The nonzeros decide the length: at most the bound the header was checked against.
+        let bound = super::sparse::max_payload_len(&header.spec, header.elements())
+            .unwrap_or(u64::MAX) as usize;
+        let mut buf = vec![0u8; bound];
+        let got = zstd::bulk::decompress_to_buffer(payload, &mut buf[..])
+            .map_err(|e| WireError::Zstd(e.to_string()))?;
+        buf.truncate(got);
+        return Ok((header, std::borrow::Cow::Owned(buf), false));
     }
     let raw = raw_len(&header.spec, header.ids, &header.shape)? as usize;
     let mut buf = vec![0u8; raw];
@@ -340,6 +404,28 @@ fn decode_values(
     out: &mut [f32],
     v: &mut Verify,
 ) -> Result<(), WireError> {
+    if h.sparse {
+        let (positions, used) = super::sparse::read_positions(payload, out.len())?;
+        v.feed(&payload[..used]);
+        let values = &payload[used..];
+        let want = h
+            .spec
+            .raw_payload_len(positions.len())
+            .unwrap_or(usize::MAX);
+        if values.len() != want {
+            return Err(WireError::LengthMismatch {
+                expected: want as u64,
+                got: values.len() as u64,
+            });
+        }
+        let mut kept = vec![0f32; positions.len()];
+        decode_payload_f32(&h.spec, values, &mut kept, v);
+        out.iter_mut().for_each(|x| *x = 0.0);
+        for (p, x) in positions.into_iter().zip(kept) {
+            out[p as usize] = x;
+        }
+        return Ok(());
+    }
     let Some((rows, width)) = ids::rows_of(&h.shape).filter(|_| h.ids != Ids::None) else {
         decode_payload_f32(&h.spec, payload, out, v);
         return Ok(());
@@ -421,6 +507,14 @@ fn decode_payload_f32(spec: &CodecSpec, payload: &[u8], out: &mut [f32], v: &mut
                 }
             });
             v.feed(scales);
+        }
+        Quant::Int4 => {
+            let (codes, scales) = payload.split_at(out.len().div_ceil(2));
+            v.feed(codes);
+            v.feed(scales);
+            read_u16s(scales, |scales| {
+                kernels::int4_decode(scales, codes, spec.block_size as usize, out)
+            });
         }
     }
 }

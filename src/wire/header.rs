@@ -123,6 +123,9 @@ pub struct Header {
     pub checksum: u64,
     /// How the id column travels (`spec.ids_last` exactly when it is not [`Ids::None`]).
     pub ids: Ids,
+    /// The payload holds only the nonzero values and their positions ([`super::sparse`]):
+    /// an f32 vector of rank 1, whose payload length depends on its nonzeros.
+    pub sparse: bool,
 }
 
 impl Header {
@@ -183,16 +186,17 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
     }
     let ids = Ids::from_code(bytes[9])
         .ok_or_else(|| WireError::BadCodecParams(format!("id column mode {}", bytes[9])))?;
-    if bytes[10..12] != [0, 0] {
+    if bytes[10] > 1 || bytes[11] != 0 {
         return Err(WireError::BadCodecParams(
             "reserved bytes are not zero".into(),
         ));
     }
+    let sparse = bytes[10] == 1;
     let block_size = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
     match quant {
-        Quant::Int8 if !(1..=MAX_BLOCK).contains(&block_size) => {
+        Quant::Int8 | Quant::Int4 if !(1..=MAX_BLOCK).contains(&block_size) => {
             return Err(WireError::BadCodecParams(format!(
-                "int8 block size {block_size}"
+                "{quant:?} block size {block_size}"
             )));
         }
         Quant::Raw | Quant::F16 | Quant::Bf16 if block_size != 0 => {
@@ -254,14 +258,33 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
             "an id column needs an f32 tensor of rank ≥ 1 with a last dim ≥ 1".into(),
         ));
     }
-    let raw = raw_len(&spec, ids, &shape)?;
+    if sparse && (dtype != DType::F32 || ids != Ids::None || shape.len() != 1) {
+        return Err(WireError::BadCodecParams(
+            "a sparse payload needs an f32 vector without an id column".into(),
+        ));
+    }
+    let raw = match sparse {
+        true => {
+            super::sparse::max_payload_len(&spec, shape[0]).ok_or(WireError::TooManyElements {
+                elements,
+                limit: limits.max_elements,
+            })?
+        }
+        false => raw_len(&spec, ids, &shape)?,
+    };
     if raw > limits.max_bytes {
         return Err(WireError::TooLarge {
             bytes: raw,
             limit: limits.max_bytes,
         });
     }
-    if zstd_level == 0 && payload_len != raw {
+    if sparse && zstd_level == 0 && payload_len > raw {
+        return Err(WireError::LengthMismatch {
+            expected: raw,
+            got: payload_len,
+        });
+    }
+    if !sparse && zstd_level == 0 && payload_len != raw {
         return Err(WireError::LengthMismatch {
             expected: raw,
             got: payload_len,
@@ -274,6 +297,7 @@ pub fn parse_header(bytes: &[u8], limits: &Limits) -> Result<(Header, usize), Wi
         payload_len,
         checksum,
         ids,
+        sparse,
     };
     Ok((header, hlen))
 }

@@ -4,7 +4,8 @@
 //! the network layer reads frames off streams with [`header_len`] and [`parse_header`] and
 //! hands the bytes here. Codecs: exact f32, f16, bf16 and blockwise absmax int8, each
 //! optionally followed by zstd (see [`CodecSpec`] for names and [`frame`] for the layout);
-//! an id column ([`ids`]) travels exactly beside any of them.
+//! an id column ([`ids`]) travels exactly beside any of them; a mostly-zero chunk of an
+//! averaged vector travels as its nonzero values and their positions ([`sparse`]).
 //!
 //! Error bounds (checked by the property tests):
 //! - `f32`: exact.
@@ -23,9 +24,12 @@ pub mod header;
 pub mod ids;
 pub mod kernels;
 pub mod msg;
+pub mod sparse;
 
 pub use codec::{ActivationCodec, BadActivationCodec, BadCodecName, CodecSpec, DType, Quant};
+pub use frame::encode_f32_sparse;
 pub use frame::{
     decode, decode_f32_into, encode_f32, encode_u32, encoded_len, header_len, max_encoded_len,
     parse_header, Header, Limits, TensorData, WireError, WireTensor,
 };
+pub use sparse::{decode_chunk_into, encode_chunk, ChunkCodec};

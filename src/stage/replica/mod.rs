@@ -58,6 +58,11 @@ pub struct Replica {
     max_staleness: u64,
     /// Gradients computed at predicted parameters (delayed updates).
     predict: Predictor,
+    /// Outer averaging's state, in `outer` mode.
+    outer: Option<outer::Outer>,
+    /// The hash the stage's replicas agree on: the parameters' (the outer parameters' in
+    /// `outer` mode).
+    shared_hash: String,
 }
 
 impl std::fmt::Debug for Replica {
@@ -93,7 +98,16 @@ impl Replica {
     pub fn new(cfg: &RunConfig, stage: Stage) -> Result<Self, ModelError> {
         let opt = AdamW::new(&cfg.optimizer, cfg.training.steps, stage.params())?;
         let params_hash = hash_of(&stage)?;
+        let shared_hash = params_hash.clone();
         let numel = stage.params().numel();
+        let outer = match cfg.averaging.outer() {
+            Some(o) => Some(outer::Outer::new(
+                o,
+                cfg.training.steps,
+                outer::params_flat(&stage)?,
+            )),
+            None => None,
+        };
         Ok(Self {
             stage,
             opt,
@@ -113,6 +127,8 @@ impl Replica {
             stale_recomputed: 0,
             max_staleness: 0,
             predict: Predictor::new(numel <= predict::MAX_NUMEL),
+            outer,
+            shared_hash,
         })
     }
 
@@ -223,6 +239,13 @@ impl Replica {
     /// Hex hash of the parameters.
     pub fn params_hash(&self) -> &str {
         &self.params_hash
+    }
+
+    /// The hash every replica of the stage holds at the same step: the parameters' hash,
+    /// or in `outer` mode the outer parameters' (the parameters themselves differ between
+    /// outer steps).
+    pub fn shared_hash(&self) -> &str {
+        &self.shared_hash
     }
 
     /// Forward of microbatch `mb`; the graph is kept (a few dozen microbatches at most) so
@@ -420,6 +443,9 @@ impl Replica {
         chunk: usize,
         codec: &CodecSpec,
     ) -> Result<Frozen, ModelError> {
+        if self.outer.is_some() {
+            return self.freeze_outer(step, chunk, codec);
+        }
         let numel = self.numel;
         self.acc().freeze(step, numel, chunk, codec)
     }
@@ -453,12 +479,12 @@ impl Replica {
             a.frozen = None;
             a.applying = true;
         }
-        let updated = (|| -> Result<(), ModelError> {
-            let before = self.predict.before_update(self.stage.params())?;
-            self.opt.step_flat(self.stage.params(), avg)?;
-            self.predict.after_update(self.stage.params(), before)?;
-            Ok(())
-        })();
+        let updated = match self.outer.is_some() {
+            // Outer mode: the inner step was taken when the step froze; an outer step
+            // moves to the new outer parameters.
+            true => self.apply_outer(step, avg),
+            false => self.inner_step(avg),
+        };
         if let Err(e) = updated {
             self.acc().applying = false;
             return Err(e);
@@ -475,7 +501,16 @@ impl Replica {
         self.params_hash = hash_of(&self.stage)?;
         self.history
             .push((self.params_step, self.params_hash.clone()));
+        self.refresh_shared_hash();
         self.release_if_large();
+        Ok(())
+    }
+
+    /// One optimizer step on the gradient `grad`, weight prediction kept in step.
+    fn inner_step(&mut self, grad: &dyn FlatSource) -> Result<(), ModelError> {
+        let before = self.predict.before_update(self.stage.params())?;
+        self.opt.step_flat(self.stage.params(), grad)?;
+        self.predict.after_update(self.stage.params(), before)?;
         Ok(())
     }
 
@@ -492,10 +527,10 @@ impl Replica {
         hash: &str,
     ) -> Result<(), ModelError> {
         self.apply(step, avg, samples, lost)?;
-        if self.params_hash != hash {
+        if self.shared_hash != hash {
             return Err(ModelError::BadInput(format!(
                 "replaying step {step} reached parameters hashing to {}, not {hash}",
-                self.params_hash
+                self.shared_hash
             )));
         }
         Ok(())
@@ -528,6 +563,7 @@ impl Replica {
     }
 }
 
+mod outer;
 mod state;
 pub use state::Snapshot;
 

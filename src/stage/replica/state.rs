@@ -11,7 +11,8 @@ use candle_core::Tensor;
 pub struct Snapshot {
     /// Applied optimizer steps.
     pub step: u64,
-    /// Parameters, then first moments, then second moments, each in parameter order.
+    /// Parameters, then first moments, then second moments, each in parameter order (in
+    /// `outer` mode then the outer parameters and the outer momentum).
     pub flat: Vec<f32>,
     /// Hash of the parameters (hex), as announced.
     pub params_hash: String,
@@ -42,12 +43,19 @@ impl Replica {
     ) -> Result<Snapshot, ModelError> {
         let (m, v) = self.opt.moments();
         let params = self.stage.params().vars().iter().map(|v| v.as_tensor());
+        let write = |sink: &mut dyn FnMut(&[f32]) -> std::io::Result<()>, v: &[f32]| {
+            sink(v).map_err(|e| ModelError::BadInput(format!("writing the state: {e}")))
+        };
         for t in params.chain(m.iter()).chain(v.iter()) {
             let flat = t
                 .flatten_all()?
                 .to_dtype(candle_core::DType::F32)?
                 .to_vec1::<f32>()?;
-            sink(&flat).map_err(|e| ModelError::BadInput(format!("writing the state: {e}")))?;
+            write(sink, &flat)?;
+        }
+        if let Some(o) = &self.outer {
+            write(sink, o.anchor())?;
+            write(sink, o.momentum())?;
         }
         Ok(Snapshot {
             step: self.params_step,
@@ -90,20 +98,29 @@ impl Replica {
         self.samples_lost = info.samples_lost;
         self.params_hash = hash_of(&self.stage)?;
         self.history = vec![(self.params_step, self.params_hash.clone())];
+        // The outer state is not in a checkpoint: the next interval starts here.
+        if self.outer.is_some() {
+            let params = super::outer::params_flat(&self.stage)?;
+            if let Some(o) = self.outer.as_mut() {
+                o.reset(params);
+            }
+        }
+        self.refresh_shared_hash();
         self.acc().reset(info.step);
         Ok(info)
     }
 
     /// Floats in a snapshot.
     pub fn snapshot_len(&self) -> usize {
-        3 * self.stage.params().numel()
+        let copies = if self.outer.is_some() { 5 } else { 3 };
+        copies * self.stage.params().numel()
     }
 
     /// Replaces the state with a snapshot; drops accumulated and frozen gradients (they
     /// were computed on other parameters) and returns the samples dropped.
     pub fn restore(&mut self, snap: &Snapshot) -> Result<u64, ModelError> {
         let n = self.stage.params().numel();
-        if snap.flat.len() != 3 * n {
+        if snap.flat.len() != self.snapshot_len() {
             return Err(ModelError::BadInput(format!(
                 "snapshot of {} values for a stage of {n} parameters",
                 snap.flat.len()
@@ -118,17 +135,12 @@ impl Replica {
                 snap.params_hash
             )));
         }
-        // One tensor at a time, so the state is never held twice beside the download.
-        let mut at = 0;
-        for var in self.stage.params().vars() {
-            let k = var.elem_count();
-            let t = Tensor::from_slice(&snap.flat[at..at + k], var.dims(), var.device())?
-                .to_dtype(var.dtype())?;
-            var.set(&t)?;
-            at += k;
-        }
+        load_flat(&self.stage, &snap.flat[..n])?;
         self.opt
-            .restore_flat(snap.step, &snap.flat[n..2 * n], &snap.flat[2 * n..])?;
+            .restore_flat(snap.step, &snap.flat[n..2 * n], &snap.flat[2 * n..3 * n])?;
+        if let Some(o) = self.outer.as_mut() {
+            o.restore(&snap.flat[3 * n..4 * n], &snap.flat[4 * n..]);
+        }
         self.predict.reset();
         self.params_step = snap.step;
         self.samples_applied = snap.samples_applied;
@@ -136,8 +148,30 @@ impl Replica {
         self.params_hash = hash_of(&self.stage)?;
         self.history
             .push((self.params_step, self.params_hash.clone()));
+        self.refresh_shared_hash();
         let dropped = self.acc().reset(snap.step);
         self.samples_dropped += dropped;
         Ok(dropped)
     }
+}
+
+/// Sets the stage's parameters from `flat` (in parameter order), one tensor at a time, so
+/// the state is never held twice beside `flat`.
+pub(super) fn load_flat(stage: &crate::model::Stage, flat: &[f32]) -> Result<(), ModelError> {
+    let n = stage.params().numel();
+    if flat.len() != n {
+        return Err(ModelError::BadInput(format!(
+            "{} values for a stage of {n} parameters",
+            flat.len()
+        )));
+    }
+    let mut at = 0;
+    for var in stage.params().vars() {
+        let k = var.elem_count();
+        let t = Tensor::from_slice(&flat[at..at + k], var.dims(), var.device())?
+            .to_dtype(var.dtype())?;
+        var.set(&t)?;
+        at += k;
+    }
+    Ok(())
 }

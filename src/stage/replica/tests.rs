@@ -293,3 +293,85 @@ fn a_synchronous_microbatch_joins_its_own_step_or_is_refused() -> TestResult {
     ));
     Ok(())
 }
+
+/// Two replicas of a one-stage run in `outer` mode (every 2 steps, outer lr 1, no
+/// momentum, whole f32 pseudo-gradients).
+fn outer_pair() -> TestResult<(RunConfig, Replica, Replica)> {
+    let mut cfg = RunConfig::tiny();
+    cfg.stages.count = 1;
+    cfg.stages.cuts.clear();
+    cfg.averaging.mode = Some(crate::config::AveragingMode::Outer);
+    cfg.averaging.outer_every = Some(2);
+    cfg.averaging.outer_lr = Some(1.0);
+    cfg.averaging.outer_momentum = Some(0.0);
+    cfg.averaging.outer_density = Some(1.0);
+    cfg.validate()?;
+    let a = Replica::new(&cfg, Stage::new(&cfg, 0, &Device::Cpu)?)?;
+    let b = Replica::new(&cfg, Stage::new(&cfg, 0, &Device::Cpu)?)?;
+    Ok((cfg, a, b))
+}
+
+/// Every chunk of a frozen sum, decoded.
+fn decoded(f: &Frozen) -> TestResult<Vec<f32>> {
+    let mut out = Vec::new();
+    for c in 0..f.sum.len().div_ceil(f.sum.chunk()) {
+        out.extend(f.sum.decode(c as u32)?);
+    }
+    Ok(out)
+}
+
+#[test]
+fn outer_replicas_step_on_their_own_samples_and_meet_at_the_outer_step() -> TestResult {
+    let (cfg, mut a, mut b) = outer_pair()?;
+    let mut stepped = (Vec::new(), Vec::new());
+    for step in 0..2u64 {
+        let (xa, ya) = batch(&cfg, 4, 10 + step)?;
+        let (xb, yb) = batch(&cfg, 4, 20 + step)?;
+        a.backward(&xa, Upstream::Targets(&ya), 100 + step)?;
+        b.backward(&xb, Upstream::Targets(&yb), 200 + step)?;
+        let (fa, fb) = (
+            a.freeze(step, 1000, &CodecSpec::F32)?,
+            b.freeze(step, 1000, &CodecSpec::F32)?,
+        );
+        assert_eq!(
+            (fa.count, fb.count),
+            (4, 4),
+            "the samples are counted as taken"
+        );
+        let (da, db) = (decoded(&fa)?, decoded(&fb)?);
+        stepped = (
+            outer::params_flat(a.stage())?,
+            outer::params_flat(b.stage())?,
+        );
+        if step == 0 {
+            // Between outer steps: nothing to average, the replicas' parameters differ,
+            // their outer parameters do not.
+            assert!(da.iter().chain(&db).all(|x| *x == 0.0));
+            assert!(
+                fa.sum.bytes() < 64 * fa.sum.len().div_ceil(1000),
+                "{} bytes",
+                fa.sum.bytes()
+            );
+        }
+        let avg: Vec<f32> = da.iter().zip(&db).map(|(x, y)| (x + y) / 2.0).collect();
+        a.apply(step, &&avg[..], 8, 0)?;
+        b.apply(step, &&avg[..], 8, 0)?;
+        if step == 0 {
+            assert_ne!(a.params_hash(), b.params_hash());
+            assert_eq!(a.shared_hash(), b.shared_hash());
+        }
+    }
+    // The outer step: with lr 1 and no momentum, both land on the mean of their own
+    // parameters, and are identical.
+    assert_eq!(a.params_hash(), b.params_hash());
+    assert_eq!(a.shared_hash(), a.params_hash());
+    let now = outer::params_flat(a.stage())?;
+    for ((x, y), z) in stepped.0.iter().zip(&stepped.1).zip(&now) {
+        assert!(((x + y) / 2.0 - z).abs() < 1e-5, "{x} {y} -> {z}");
+    }
+    // A joiner restored from a's snapshot holds the same outer state.
+    let (_, _, mut c) = outer_pair()?;
+    c.restore(&a.snapshot()?)?;
+    assert_eq!(c.shared_hash(), a.shared_hash());
+    Ok(())
+}

@@ -148,6 +148,8 @@ pub struct ReplicaStatus {
     pub samples_dropped: u64,
     /// Parameter hash (hex).
     pub params_hash: String,
+    /// The hash the stage's replicas agree on at a step (see `Replica::shared_hash`).
+    pub shared_hash: String,
     /// Kept forwards recomputed because their gradient would have been two steps stale.
     pub stale_recomputed: u64,
     /// The largest staleness of an accumulated gradient (0 or 1, by construction).
@@ -167,6 +169,7 @@ impl ReplicaStatus {
             samples_lost: r.samples_lost(),
             samples_dropped: r.samples_dropped(),
             params_hash: r.params_hash().to_string(),
+            shared_hash: r.shared_hash().to_string(),
             stale_recomputed: r.staleness().0,
             max_staleness: r.staleness().1,
         }

@@ -144,6 +144,7 @@ mod tests {
             payload_len: 0,
             checksum: 0,
             ids: crate::wire::ids::Ids::None,
+            sparse: false,
         }
     }
 

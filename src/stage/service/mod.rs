@@ -158,6 +158,9 @@ struct Shared {
     status: Mutex<ReplicaStatus>,
     numel: usize,
     accum: Arc<Mutex<Accum>>,
+    /// Outer averaging: freezing a step takes the inner step, so it goes through the
+    /// replica (see `Replica::freeze`).
+    outer: bool,
     progress: Arc<Notify>,
     extension: Mutex<Option<Arc<dyn Extension>>>,
     /// Set when the replica is leaving: no new forward passes, no `info` answers.
@@ -270,6 +273,7 @@ impl StageService {
             status: Mutex::new(status),
             numel,
             accum,
+            outer: manifest.config.averaging.outer().is_some(),
             progress: Arc::new(Notify::new()),
             extension: Mutex::new(None),
             draining: AtomicBool::new(false),
@@ -416,13 +420,21 @@ impl StageService {
     }
 
     /// Freezes step `step`'s gradients (all accumulated so far), encoded in chunks of
-    /// `chunk` values with `codec`, without waiting for compute.
+    /// `chunk` values with `codec`, without waiting for compute; in outer mode the inner
+    /// step is taken too, which waits for the replica behind compute (call it off the
+    /// runtime).
     pub fn freeze(&self, step: u64, chunk: usize, codec: &CodecSpec) -> Result<Frozen, ModelError> {
-        let f = self
-            .shared
-            .accum
-            .lock()
-            .freeze(step, self.shared.numel, chunk, codec)?;
+        let f = if self.shared.outer {
+            self.shared
+                .replica
+                .blocking_lock()
+                .freeze(step, chunk, codec)?
+        } else {
+            self.shared
+                .accum
+                .lock()
+                .freeze(step, self.shared.numel, chunk, codec)?
+        };
         let (accum_step, count, frozen) = self.shared.accum.lock().counts();
         {
             let mut st = self.shared.status.lock();

@@ -178,6 +178,59 @@ pub fn int8_blocks(n: usize, block: usize) -> usize {
     n.div_ceil(block)
 }
 
+/// Blockwise absmax int4 of `src` in blocks of `block`: two codes per byte (low nibble
+/// first, each `code + 8` for a code in −7..=7), then one bf16 scale per block, rounded up
+/// so every code fits. A block holding NaN or ±inf gets a NaN scale (it decodes as NaN).
+pub fn int4_encode(src: &[f32], block: usize) -> (Vec<u8>, Vec<u16>) {
+    let block = block.max(1);
+    let mut codes = vec![0u8; src.len().div_ceil(2)];
+    let mut scales = Vec::with_capacity(src.len().div_ceil(block));
+    for (b, values) in src.chunks(block).enumerate() {
+        let amax = values.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let finite = values.iter().all(|x| x.is_finite());
+        let scale_bits = if !finite {
+            0x7fc0u16
+        } else {
+            // Round the scale up to bf16 so that |x| / scale ≤ 7.
+            let exact = amax / 7.0;
+            let bits = exact.to_bits();
+            let up = if bits & 0xffff == 0 {
+                bits
+            } else {
+                bits + 0x1_0000
+            };
+            (up >> 16) as u16
+        };
+        let scale = f32::from_bits(u32::from(scale_bits) << 16);
+        let inv = if finite && scale > 0.0 {
+            1.0 / scale
+        } else {
+            0.0
+        };
+        for (i, x) in values.iter().enumerate() {
+            let q = (x * inv).round().clamp(-7.0, 7.0) as i8;
+            let at = b * block + i;
+            let nibble = (q + 8) as u8;
+            codes[at / 2] |= if at % 2 == 0 { nibble } else { nibble << 4 };
+        }
+        scales.push(scale_bits);
+    }
+    (codes, scales)
+}
+
+/// Decodes [`int4_encode`]'s codes and scales into `dst`.
+pub fn int4_decode(scales: &[u16], codes: &[u8], block: usize, dst: &mut [f32]) {
+    let block = block.max(1);
+    for (i, d) in dst.iter_mut().enumerate() {
+        let byte = codes.get(i / 2).copied().unwrap_or(8);
+        let nibble = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+        let scale = scales
+            .get(i / block)
+            .map_or(0.0, |s| f32::from_bits(u32::from(*s) << 16));
+        *d = (f32::from(nibble) - 8.0) * scale;
+    }
+}
+
 /// Blockwise absmax int8: `scales` gets one bf16 scale per block (`int8_blocks` of them),
 /// `codes` one byte per value. Every value decodes to within half a step of its block's
 /// scale; a block holding NaN or ±inf decodes as NaN.
