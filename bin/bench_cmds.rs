@@ -422,7 +422,7 @@ pub struct ConvergeArgs {
     #[arg(long, default_value_t = 12800, value_name = "N")]
     samples: u64,
     /// Comma-separated modes: synchronous, no-sync, delayed, delayed-plain (delayed without
-    /// weight prediction), outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]] (local steps, an outer step of the
+    /// weight prediction), outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC[:DECAY]]]]]] (local steps, an outer step of the
     /// replicas' compressed pseudo-gradients every H).
     #[arg(
         long,
@@ -461,7 +461,7 @@ pub fn bench_converge(a: ConvergeArgs) -> Result<ExitCode> {
         !bc::MODES.contains(&m.as_str()) && m.as_str() != bc::PLAIN_DELAYED && !bc::is_outer(m)
     }) {
         bail!(
-            "unknown mode {m:?}; known: {}, {}, outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]]",
+            "unknown mode {m:?}; known: {}, {}, outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC[:DECAY]]]]]]",
             bc::MODES.join(", "),
             bc::PLAIN_DELAYED
         );

@@ -16,14 +16,15 @@
 //!   be several steps stale; what shoal did before delayed updates);
 //! - `delayed-plain` (only when asked): `delayed` without weight prediction, every
 //!   gradient computed at the parameters as they are;
-//! - `outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]]` (only when asked): synchronous steps with
-//!   `averaging.mode = "outer"`: each replica steps on its own samples, and every H steps
-//!   (default 8) the replicas average their pseudo-gradients, the largest DENSITY of each
-//!   chunk (default 0.03, 1 = whole), and take an outer Nesterov step at LR (default 0.7)
-//!   with MOMENTUM (default 0.9). Its
-//!   trainers feed until the stages reach the run's last step (an outer step), so that the
-//!   replicas end identical: the same samples as `synchronous` when its steps hold exactly
-//!   the target batch.
+//! - `outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC[:DECAY]]]]]]` (only when asked): synchronous
+//!   steps with `averaging.mode = "outer"`: each replica steps on its own samples, and
+//!   every H steps (default 16) the replicas average their pseudo-gradients, the largest
+//!   DENSITY of each chunk (default 0.1, 1 = whole) in CODEC (default int4+zstd1) with
+//!   error feedback decayed by DECAY (default 0.95), and take an outer step at LR with
+//!   Nesterov MOMENTUM (defaults 1 and 0 when sparse, 0.7 and 0.9 when whole). Its run
+//!   ends at step 0.98 × samples ÷ target batch, an outer step (every step from the run's
+//!   last on is one), where the trainers stop: the replicas end identical, having trained
+//!   about the samples of the other modes (a step holds a little over the target batch).
 //!
 //! Per mode: samples/s, the swarm's held-out loss after the last step (the demo's
 //! evaluation, on the same batches for every mode), and the seconds from the trainers'
@@ -206,7 +207,10 @@ async fn run_in(
     let mut feed = microbatches(&cfg, opts.samples);
     if is_outer(mode) {
         cfg.averaging = outer_averaging(mode).map_err(|e| err(&e))?;
-        // Enough to reach the run's last step, where the trainers stop.
+        // The run's last step (an outer step) comes a little before the samples run out,
+        // since a step holds at least the target batch: the trainers stop there with
+        // about the samples the other modes train (the row says how many).
+        cfg.training.steps = (cfg.training.steps * 49 / 50).max(1);
         feed += feed / 8 + 1;
     }
     let cfg = &cfg;
@@ -348,7 +352,8 @@ pub fn outer_averaging(mode: &str) -> Result<shoal::config::AveragingConfig, Str
         mode: Some(shoal::config::AveragingMode::Outer),
         ..Default::default()
     };
-    let bad = || format!("mode {mode:?}: expected outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC]]]]]");
+    let bad =
+        || format!("mode {mode:?}: expected outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC[:DECAY]]]]]]");
     let mut parts = mode.split(':').skip(1);
     if let Some(h) = parts.next() {
         a.outer_every = Some(h.parse().map_err(|_| bad())?);
@@ -364,6 +369,9 @@ pub fn outer_averaging(mode: &str) -> Result<shoal::config::AveragingConfig, Str
     }
     if let Some(c) = parts.next() {
         a.outer_codec = Some(c.parse().map_err(|_| bad())?);
+    }
+    if let Some(d) = parts.next() {
+        a.outer_error_decay = Some(d.parse().map_err(|_| bad())?);
     }
     if parts.next().is_some() {
         return Err(bad());

@@ -67,7 +67,7 @@ pub struct AveragingConfig {
     /// `step` (default) or `outer`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<AveragingMode>,
-    /// Outer mode: steps between outer steps (default 8).
+    /// Outer mode: steps between outer steps (default 16).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outer_every: Option<u64>,
     /// Outer mode: the outer learning rate (default 1 for a sparse pseudo-gradient, 0.7
@@ -81,9 +81,13 @@ pub struct AveragingConfig {
     pub outer_momentum: Option<f64>,
     /// Outer mode: the fraction of each chunk of the pseudo-gradient sent (its largest
     /// values; the rest is carried to the next outer step by error feedback). 1 sends it
-    /// whole. Default 0.03.
+    /// whole. Default 0.1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outer_density: Option<f64>,
+    /// Outer mode: how much of what earlier pseudo-gradients left unsent the next one
+    /// carries (error feedback's decay, default 0.95 as SparseLoCo's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_error_decay: Option<f64>,
     /// Outer mode: the codec of the pseudo-gradient's values (default `int4+zstd1`: error
     /// feedback carries what the coarse codes miss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -98,13 +102,15 @@ impl AveragingConfig {
     /// The norm check's ratio by default.
     pub const MAX_NORM_RATIO: f64 = 50.0;
     /// Steps between outer steps by default.
-    pub const OUTER_EVERY: u64 = 8;
+    pub const OUTER_EVERY: u64 = 16;
     /// The outer learning rate by default: (sparse, whole) pseudo-gradients.
     pub const OUTER_LR: (f64, f64) = (1.0, 0.7);
     /// The outer momentum by default: (sparse, whole) pseudo-gradients.
     pub const OUTER_MOMENTUM: (f64, f64) = (0.0, 0.9);
     /// The pseudo-gradient's density by default.
-    pub const OUTER_DENSITY: f64 = 0.03;
+    pub const OUTER_DENSITY: f64 = 0.1;
+    /// The error feedback's decay by default.
+    pub const OUTER_ERROR_DECAY: f64 = 0.95;
     /// The pseudo-gradient's codec by default: int4 (blocks of 64), then zstd level 1.
     pub const OUTER_CODEC: crate::wire::CodecSpec = crate::wire::CodecSpec {
         quant: crate::wire::Quant::Int4,
@@ -123,6 +129,7 @@ impl AveragingConfig {
             momentum: self.outer_momentum.unwrap_or(pick(Self::OUTER_MOMENTUM)) as f32,
             density,
             codec: self.outer_codec.unwrap_or(Self::OUTER_CODEC),
+            error_decay: self.outer_error_decay.unwrap_or(Self::OUTER_ERROR_DECAY) as f32,
         })
     }
 
@@ -187,6 +194,12 @@ impl AveragingConfig {
             "in [0, 1)",
         )?;
         knob(
+            "outer_error_decay",
+            self.outer_error_decay,
+            |d| d.is_finite() && (0.0..=1.0).contains(&d),
+            "in [0, 1]",
+        )?;
+        knob(
             "outer_density",
             self.outer_density,
             |d| d.is_finite() && d > 0.0 && d <= 1.0,
@@ -198,6 +211,7 @@ impl AveragingConfig {
             ("outer_momentum", self.outer_momentum.is_some()),
             ("outer_density", self.outer_density.is_some()),
             ("outer_codec", self.outer_codec.is_some()),
+            ("outer_error_decay", self.outer_error_decay.is_some()),
         ]
         .into_iter()
         .find(|(_, set)| *set);
@@ -226,6 +240,8 @@ pub struct OuterSettings {
     pub density: f64,
     /// Codec of the values sent.
     pub codec: crate::wire::CodecSpec,
+    /// Error feedback's decay.
+    pub error_decay: f32,
 }
 
 /// `Err("averaging.NAME must be WANT, got V")` when the knob is set and `ok` refuses it.

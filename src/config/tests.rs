@@ -109,16 +109,41 @@ fn averaging_knobs_are_optional_and_checked() -> TestResult {
         "clip_tau = 0.0",
         "clip_iters = 0",
         "max_norm_ratio = 0.5",
+        "outer_every = 8",
+        "mode = \"outer\"\nouter_every = 0",
+        "mode = \"outer\"\nouter_density = 0.0",
+        "mode = \"outer\"\nouter_density = 1.5",
+        "mode = \"outer\"\nouter_momentum = 1.0",
+        "mode = \"outer\"\nouter_lr = 0.0",
+        "mode = \"outer\"\naggregate = \"centered_clip\"",
+        "mode = \"outer\"\nouter_codec = \"int3\"",
+        "mode = \"sometimes\"",
     ] {
         let text = format!("{base}\n[averaging]\n{bad}\n");
         match RunConfig::from_toml(&text, "x.toml") {
             Ok(_) => panic!("{bad} was accepted"),
             // A range error names the knob; serde's names the values it accepts.
             Err(err) => assert!(
-                err.to_string().contains("averaging.") || err.to_string().contains("centered_clip"),
+                err.to_string().contains("averaging.")
+                    || err.to_string().contains("centered_clip")
+                    || err.to_string().contains("codec"),
                 "{bad}: {err}"
             ),
         }
     }
+    // Outer mode: defaults by density (SparseLoCo's when sparse, DiLoCo's when whole).
+    let outer = format!("{base}\n[averaging]\nmode = \"outer\"\n");
+    let o = RunConfig::from_toml(&outer, "x.toml")?.averaging.outer();
+    let o = o.ok_or("outer mode has outer settings")?;
+    assert_eq!(
+        (o.every, o.lr, o.momentum),
+        (AveragingConfig::OUTER_EVERY, 1.0, 0.0)
+    );
+    assert_eq!(o.codec.to_string(), "int4+zstd1");
+    let whole = format!("{outer}outer_density = 1.0\n");
+    let o = RunConfig::from_toml(&whole, "x.toml")?.averaging.outer();
+    let o = o.ok_or("outer mode has outer settings")?;
+    assert_eq!((o.lr, o.momentum), (0.7, 0.9));
+    assert!(plain.averaging.outer().is_none());
     Ok(())
 }

@@ -4,8 +4,8 @@
 //! when a step's round freezes it, the replica steps on the mean of the samples it took
 //! itself, and the round carries nothing (zero chunks, a few bytes each). On an outer step
 //! (every `outer_every` steps, and the run's last) the replica sends instead its
-//! pseudo-gradient `Δ = θ_outer − θ` plus 0.95 × the part of earlier ones not yet sent
-//! (error feedback, decayed as SparseLoCo's), cut to the largest `outer_density` of each
+//! pseudo-gradient `Δ = θ_outer − θ` plus `outer_error_decay` (0.95) × the part of earlier
+//! ones not yet sent (error feedback, decayed as SparseLoCo's), cut to the largest `outer_density` of each
 //! chunk and coded by the gradient codec; the reducers average the members' copies member
 //! by member. With the average
 //! `Δ̄` every member takes the same outer Nesterov step, `m ← μ·m + Δ̄`,
@@ -21,10 +21,6 @@ use crate::model::{ModelError, Stage};
 use crate::stage::frozen::EncodedSum;
 use crate::wire::{self, ChunkCodec, CodecSpec, Limits};
 use std::sync::Arc;
-
-/// How much of what earlier pseudo-gradients left unsent the next one carries (SparseLoCo's
-/// error-feedback decay: the accumulator stands in for outer momentum).
-pub(super) const ERROR_DECAY: f32 = 0.95;
 
 /// The outer state of one replica.
 #[derive(Debug)]
@@ -98,12 +94,13 @@ impl Outer {
             )));
         }
         let chunk = chunk.max(1);
+        let decay = self.settings.error_decay;
         let mut sent: Vec<f32> = self
             .anchor
             .iter()
             .zip(params)
             .zip(&self.error)
-            .map(|((a, p), e)| ERROR_DECAY * e + (a - p))
+            .map(|((a, p), e)| decay * e + (a - p))
             .collect();
         let mut error = sent.clone();
         if self.settings.density < 1.0 {
@@ -271,6 +268,7 @@ mod tests {
             momentum: 0.0,
             density,
             codec: CodecSpec::F32,
+            error_decay: 0.95,
         }
     }
 
@@ -295,7 +293,7 @@ mod tests {
             .flat_map(|c| sent.decode(c).unwrap_or_default())
             .collect();
         assert_eq!(first, vec![0.0, 0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.8]);
-        // Nothing new moved: the next largest unsent values go (decayed by ERROR_DECAY for
+        // Nothing new moved: the next largest unsent values go (decayed by 0.95 for
         // each outer step they waited), and so on until all went.
         let mut total = first;
         for _ in 0..3 {
@@ -306,7 +304,7 @@ mod tests {
                 .collect();
             total.iter_mut().zip(&more).for_each(|(t, m)| *t += m);
         }
-        let d = ERROR_DECAY;
+        let d = 0.95f32;
         let waited = [d * d * d, d * d, d, 1.0];
         let want: Vec<f32> = (1..=8)
             .map(|i| waited[(i - 1) % 4] * i as f32 / 10.0)
@@ -326,6 +324,7 @@ mod tests {
                 momentum: 0.9,
                 density: 1.0,
                 codec: CodecSpec::F32,
+                error_decay: 0.95,
             },
             100,
             vec![1.0, 2.0],
