@@ -30,7 +30,7 @@ fn bad_input_is_one_clear_line_and_a_failure() {
                 "--config",
                 "configs/tiny.toml",
                 "--activations",
-                "int4",
+                "int3",
             ],
             "unknown codec",
         ),

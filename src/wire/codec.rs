@@ -327,7 +327,8 @@ mod tests {
     fn bad_names_are_refused() {
         for name in [
             "",
-            "int4",
+            "int3",
+            "int4:0",
             "f32:64",
             "int8:0",
             "int8+zstd9",
@@ -357,7 +358,7 @@ mod tests {
             "subspace",
             "subspace:",
             "subspace:x",
-            "subspace:8+int4",
+            "subspace:8+int3",
             "lowrank:8",
         ] {
             let e = name.parse::<ActivationCodec>().unwrap_err().to_string();
