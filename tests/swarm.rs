@@ -283,6 +283,23 @@ fn check_accounting(
     (fed, done, failed)
 }
 
+/// Kills a replica of `stage` without warning; returns the samples it held when it died
+/// (lost: the trainers' backward calls already returned).
+async fn kill_one_of(s: &mut Swarm, stage: usize) -> u64 {
+    let pos = s
+        .peers
+        .iter()
+        .position(|p| p.stage() == Some(stage))
+        .unwrap();
+    let victim = s.peers.remove(pos);
+    let replica = victim.service().unwrap().replica();
+    let guard = replica.lock().await;
+    victim.kill().await;
+    let held = guard.accum_count() + guard.frozen_count();
+    drop(guard);
+    held
+}
+
 /// The single-process run of `cfg`, evaluated on 8 held-out batches.
 fn local_run(cfg: &RunConfig) -> shoal::train::LocalReport {
     let opts = LocalOptions {
@@ -465,15 +482,7 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
         assert!(t0.elapsed() < Duration::from_secs(120));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let pos = s.peers.iter().position(|p| p.stage() == Some(1)).unwrap();
-    let victim = s.peers.remove(pos);
-    // What it holds when it dies is lost (the trainers' backward calls already returned).
-    let replica = victim.service().unwrap().replica();
-    let guard = replica.lock().await;
-    victim.kill().await;
-    let held = guard.accum_count() + guard.frozen_count();
-    drop(guard);
-    drop(replica);
+    let held = kill_one_of(&mut s, 1).await;
     // A fresh peer picks the weakest stage (the victim no longer answers, so it does not
     // count) and downloads its state.
     let mut jc = pc(
@@ -556,14 +565,7 @@ async fn an_outer_run_loses_no_sample_to_a_replica_killed_mid_interval() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let pos = s.peers.iter().position(|p| p.stage() == Some(1)).unwrap();
-    let victim = s.peers.remove(pos);
-    let replica = victim.service().unwrap().replica();
-    let guard = replica.lock().await;
-    victim.kill().await;
-    let held = guard.accum_count() + guard.frozen_count();
-    drop(guard);
-    drop(replica);
+    let held = kill_one_of(&mut s, 1).await;
     wait_trainers(&t, Duration::from_secs(240)).await;
     let refs: Vec<&Peer> = s.peers.iter().collect();
     settle(&refs).await;

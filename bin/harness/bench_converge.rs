@@ -355,28 +355,24 @@ pub fn outer_averaging(mode: &str) -> Result<shoal::config::AveragingConfig, Str
     let bad =
         || format!("mode {mode:?}: expected outer[:H[:DENSITY[:LR[:MOMENTUM[:CODEC[:DECAY]]]]]]");
     let mut parts = mode.split(':').skip(1);
-    if let Some(h) = parts.next() {
-        a.outer_every = Some(h.parse().map_err(|_| bad())?);
-    }
-    if let Some(d) = parts.next() {
-        a.outer_density = Some(d.parse().map_err(|_| bad())?);
-    }
-    if let Some(l) = parts.next() {
-        a.outer_lr = Some(l.parse().map_err(|_| bad())?);
-    }
-    if let Some(m) = parts.next() {
-        a.outer_momentum = Some(m.parse().map_err(|_| bad())?);
-    }
-    if let Some(c) = parts.next() {
-        a.outer_codec = Some(c.parse().map_err(|_| bad())?);
-    }
-    if let Some(d) = parts.next() {
-        a.outer_error_decay = Some(d.parse().map_err(|_| bad())?);
-    }
+    a.outer_every = field(parts.next(), &bad)?;
+    a.outer_density = field(parts.next(), &bad)?;
+    a.outer_lr = field(parts.next(), &bad)?;
+    a.outer_momentum = field(parts.next(), &bad)?;
+    a.outer_codec = field(parts.next(), &bad)?;
+    a.outer_error_decay = field(parts.next(), &bad)?;
     if parts.next().is_some() {
         return Err(bad());
     }
     Ok(a)
+}
+
+/// A field of an outer mode's name, if present.
+fn field<T: std::str::FromStr>(
+    part: Option<&str>,
+    bad: &dyn Fn() -> String,
+) -> Result<Option<T>, String> {
+    part.map(|p| p.parse().map_err(|_| bad())).transpose()
 }
 
 /// The part and reduced-part bytes every replica reported sending, summed (each
