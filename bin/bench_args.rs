@@ -63,6 +63,10 @@ pub(crate) enum BenchCommand {
         /// Samples each codec trains on the swarm rows (0: no swarm rows).
         #[arg(long, default_value_t = 3200, value_name = "N")]
         swarm_samples: u64,
+        /// How the swarm rows' replicas average: `step` (every step's gradients) or
+        /// `outer` (`[averaging] mode = "outer"` with its defaults).
+        #[arg(long, default_value = "step", value_name = "MODE")]
+        averaging: String,
         /// The model's width (4 blocks in 2 stages).
         #[arg(long, default_value_t = 256, value_name = "D")]
         d_model: usize,

@@ -72,7 +72,7 @@ const SLOW_LINK: &str = "bw=20mbit,rtt=50ms";
 
 pub fn bench_compress(
     codecs: &str,
-    (steps, swarm_samples): (u64, u64),
+    (steps, swarm_samples, averaging): (u64, u64, &str),
     d_model: usize,
     text: Option<PathBuf>,
     json: Option<PathBuf>,
@@ -81,6 +81,11 @@ pub fn bench_compress(
     if steps == 0 || d_model < 64 || d_model % 64 != 0 {
         bail!("--steps must be at least 1 and --d-model a multiple of 64");
     }
+    let mode = match averaging {
+        "step" => "synchronous",
+        "outer" => "outer",
+        other => bail!("--averaging must be step or outer, not {other:?}"),
+    };
     let scratch = match &text {
         Some(_) => None,
         None => Some(bc::docs_file()?),
@@ -122,12 +127,12 @@ pub fn bench_compress(
                 (c.to_string(), run)
             })
             .collect();
-        println!("\nswarm rows: 2 stages x 2 replicas, 2 trainers, synchronous steps of 32, every process behind {SLOW_LINK}");
+        println!("\nswarm rows: 2 stages x 2 replicas, 2 trainers, synchronous steps of 32 ({averaging} averaging), every process behind {SLOW_LINK}");
         let exe = std::env::current_exe().context("cannot find the shoal binary to start peers")?;
         let swarm = runtime()?.block_on(crate::harness::bench_compress::swarm_rows(
             exe,
             &runs,
-            swarm_samples,
+            (swarm_samples, mode),
             link,
         ))?;
         print!("{}", crate::harness::bench_compress::table(&swarm));

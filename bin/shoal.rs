@@ -390,11 +390,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     codecs,
                     steps,
                     swarm_samples,
+                    averaging,
                     d_model,
                     text,
                     json,
                 },
-        } => bench_cmds::bench_compress(&codecs, (steps, swarm_samples), d_model, text, json),
+        } => bench_cmds::bench_compress(
+            &codecs,
+            (steps, swarm_samples, &averaging),
+            d_model,
+            text,
+            json,
+        ),
         Command::Bench {
             which:
                 BenchCommand::Streams {

@@ -41,13 +41,13 @@ pub struct SwarmRow {
     pub identical: bool,
 }
 
-/// Trains `runs` (label, run config) one after another on the swarm: the first on
-/// `samples` samples, the others on twice as many; the first is the reference whose final
-/// training loss every row is timed to.
+/// Trains `runs` (label, run config) one after another on the swarm in converge mode
+/// `mode` (`synchronous` or `outer`): the first on `samples` samples, the others on twice
+/// as many; the first is the reference whose final training loss every row is timed to.
 pub async fn swarm_rows(
     exe: PathBuf,
     runs: &[(String, RunConfig)],
-    samples: u64,
+    (samples, mode): (u64, &str),
     link: LinkSpec,
 ) -> Result<Vec<SwarmRow>, HarnessError> {
     let opts = ConvergeOptions {
@@ -74,7 +74,7 @@ pub async fn swarm_rows(
         cfg.training.steps = samples.div_ceil(TARGET_BATCH as u64).max(1);
         let label = format!("compress-{}", codec.replace([':', '+'], "-"));
         println!("running {codec} on the swarm ({samples} samples)");
-        let row = run_swarm("synchronous", &cfg, None, &opts, &label).await?;
+        let row = run_swarm(mode, &cfg, None, &opts, &label).await?;
         println!(
             "{codec}: {:.1} samples/s, eval loss {:.4}",
             row.samples_per_s, row.eval_loss
