@@ -40,7 +40,7 @@ pub fn encode_chunk(
     out: &mut Vec<u8>,
 ) -> Result<(), WireError> {
     let k = values.iter().filter(|v| **v != 0.0).count();
-    if !codec.sparse || k > values.len() / 4 {
+    if !codec.sparse || k > max_nonzeros(values.len()) {
         encode_f32(&[values.len()], values, &codec.values, out)?;
         return Ok(());
     }
@@ -66,11 +66,18 @@ pub fn decode_chunk_into(
     Ok(out.len())
 }
 
-/// The longest payload (before zstd) of a sparse vector of `n` values in `spec`: every
-/// value nonzero, every gap at its longest.
+/// Most nonzeros a sparse vector of `n` values holds: a quarter (a chunk with more travels
+/// dense), so a sparse frame is never larger than the dense one its header's shape bounds.
+pub fn max_nonzeros(n: usize) -> usize {
+    n / 4
+}
+
+/// The longest payload (before zstd) of a sparse vector of `n` values in `spec`: the most
+/// nonzeros it may hold, every gap at its longest.
 pub fn max_payload_len(spec: &CodecSpec, n: usize) -> Option<u64> {
-    let values = spec.raw_payload_len(n)?;
-    n.checked_mul(5)?
+    let k = max_nonzeros(n);
+    let values = spec.raw_payload_len(k)?;
+    k.checked_mul(5)?
         .checked_add(4)?
         .checked_add(values)
         .map(|l| l as u64)
@@ -110,7 +117,7 @@ pub(super) fn read_positions(payload: &[u8], n: usize) -> Result<(Vec<u32>, usiz
     };
     let k = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
     // Each position takes at least a byte: a count beyond the bytes left is a lie.
-    if k > n || k > payload.len() - 4 {
+    if k > max_nonzeros(n) || k > payload.len() - 4 {
         return Err(WireError::BadInput(format!(
             "{k} nonzeros in a vector of {n} ({} bytes left)",
             payload.len() - 4
@@ -268,7 +275,8 @@ mod tests {
                 "cut at {cut}"
             );
         }
-        // More nonzeros than values; a position past the end; a length over the limit (the
+        // More nonzeros than a sparse vector holds; a position past the end; a length over
+        // the limit (the
         // payload starts after the 40-byte header of a vector; f32 frames carry no
         // checksum check until decoding, which fails first on the damage).
         let mut bad = f.clone();
@@ -312,6 +320,32 @@ mod tests {
         encode_chunk(&bad, &ChunkCodec::dense(spec), &mut f).unwrap();
         decode_chunk_into(&f, &Limits::default(), &mut out).unwrap();
         assert!(out[..64].iter().all(|x| x.is_nan()) && out[64..].iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn a_sparse_chunk_fits_the_limits_of_its_dense_f32_chunk() {
+        // A replica takes averaging frames up to a part chunk of f32: every sparse frame
+        // of that many values must fit, whatever its codec.
+        let n = crate::wire::msg::PART_CHUNK;
+        let limits = Limits {
+            max_elements: n as u64,
+            max_bytes: 4 * n as u64,
+        };
+        for name in ["f32", "int8+zstd1", "int4+zstd1"] {
+            let spec: CodecSpec = name.parse().unwrap();
+            assert!(max_payload_len(&spec, n).unwrap() <= 4 * n as u64, "{name}");
+            let mut v = vec![0.0f32; n];
+            for i in (0..n).step_by(5) {
+                v[i] = 1.0;
+            }
+            let mut f = Vec::new();
+            encode_chunk(&v, &sparse(spec), &mut f).unwrap();
+            let mut out = Vec::new();
+            decode_chunk_into(&f, &limits, &mut out).unwrap();
+            assert_eq!(out.len(), n);
+            let off = out.iter().zip(&v).filter(|(a, b)| (*a - *b).abs() > 1e-2).count();
+            assert_eq!(off, 0, "{name}");
+        }
     }
 
     #[test]
