@@ -343,7 +343,11 @@ mod tests {
             let mut out = Vec::new();
             decode_chunk_into(&f, &limits, &mut out).unwrap();
             assert_eq!(out.len(), n);
-            let off = out.iter().zip(&v).filter(|(a, b)| (*a - *b).abs() > 1e-2).count();
+            let off = out
+                .iter()
+                .zip(&v)
+                .filter(|(a, b)| (*a - *b).abs() > 1e-2)
+                .count();
             assert_eq!(off, 0, "{name}");
         }
     }
