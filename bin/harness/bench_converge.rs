@@ -196,23 +196,7 @@ async fn run_in(
     dir: &std::path::Path,
 ) -> Result<ConvergeRow, HarnessError> {
     let err = |e: &dyn std::fmt::Display| HarnessError::Process(e.to_string());
-    let (wait, bounded) = match mode {
-        "synchronous" => (true, true),
-        "delayed" | PLAIN_DELAYED => (false, true),
-        "no-sync" => (false, false),
-        _ if is_outer(mode) => (true, true),
-        other => return Err(err(&format!("unknown mode {other:?}"))),
-    };
-    let mut cfg = cfg.clone();
-    let mut feed = microbatches(&cfg, opts.samples);
-    if is_outer(mode) {
-        cfg.averaging = outer_averaging(mode).map_err(|e| err(&e))?;
-        // The run's last step (an outer step) comes a little before the samples run out,
-        // since a step holds at least the target batch: the trainers stop there with
-        // about the samples the other modes train (the row says how many).
-        cfg.training.steps = (cfg.training.steps * 49 / 50).max(1);
-        feed += feed / 8 + 1;
-    }
+    let (cfg, feed, wait, bounded) = mode_run(mode, cfg, opts).map_err(|e| err(&e))?;
     let cfg = &cfg;
     let m = Manifest::from_config(cfg).map_err(|e| err(&e))?;
     std::fs::write(dir.join("run.toml"), m.file_text()).map_err(|e| err(&e))?;
@@ -270,45 +254,11 @@ async fn run_in(
         }
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &a)?);
     }
-    let mut last = vec![Progress::default(); TRAINERS];
-    let mut to_target = None;
-    let mut curve: Vec<(f64, u64, f64)> = Vec::new();
-    let bar = crate::progress::Bar::new(opts.samples, "samples");
-    while !trainers.iter_mut().all(Proc::exited) {
-        if started.elapsed() > opts.timeout {
-            return Err(err(&format!(
-                "{mode}: not done after {:.0} s (raise --timeout or lower --samples)",
-                opts.timeout.as_secs_f64()
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        super::demo::latest_progress(&mut trainers, &mut last);
-        // Every trainer must have reported a loss: one trainer's alone is half the data.
-        let losses: Vec<f64> = last.iter().map(|p| p.loss).collect();
-        let reported = last.iter().all(|p| p.completed > 0);
-        if to_target.is_none() && reported && losses.iter().all(|l| l.is_finite()) {
-            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
-            if mean <= target {
-                to_target = Some(started.elapsed().as_secs_f64());
-            }
-        }
-        let p = Progress::sum(&last);
-        let t = started.elapsed().as_secs_f64();
-        if reported && curve.last().is_none_or(|c| t - c.0 >= 1.0) {
-            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
-            curve.push((t, p.completed, mean));
-        }
-        bar.set(p.completed, || {
-            format!(
-                "[{:>4.0}s] {mode}: step {:>4}  loss {}",
-                started.elapsed().as_secs_f64(),
-                p.step,
-                crate::progress::loss_text(p.completed, p.loss)
-            )
-        });
-    }
-    bar.clear();
-    super::demo::latest_progress(&mut trainers, &mut last);
+    let Watched {
+        last,
+        to_target,
+        curve,
+    } = watch(mode, &mut trainers, started, target, opts).await?;
     let seconds = started.elapsed().as_secs_f64();
     let total = Progress::sum(&last);
     // Let the last round settle before evaluating and comparing replicas.
@@ -337,6 +287,97 @@ async fn run_in(
         identical,
         replicas_identical: identical,
         averaging_bytes_per_sample: averaging_bytes as f64 / total.completed.max(1) as f64,
+        curve,
+    })
+}
+
+/// The run config, microbatches per trainer, and whether trainers wait for steps and
+/// staleness is bounded, of `mode` on `cfg`.
+fn mode_run(
+    mode: &str,
+    cfg: &RunConfig,
+    opts: &ConvergeOptions,
+) -> Result<(RunConfig, u64, bool, bool), String> {
+    let (wait, bounded) = match mode {
+        "synchronous" => (true, true),
+        "delayed" | PLAIN_DELAYED => (false, true),
+        "no-sync" => (false, false),
+        _ if is_outer(mode) => (true, true),
+        other => return Err(format!("unknown mode {other:?}")),
+    };
+    let mut cfg = cfg.clone();
+    let mut feed = microbatches(&cfg, opts.samples);
+    if is_outer(mode) {
+        cfg.averaging = outer_averaging(mode)?;
+        // The run's last step (an outer step) comes a little before the samples run out,
+        // since a step holds at least the target batch: the trainers stop there with
+        // about the samples the other modes train (the row says how many).
+        cfg.training.steps = (cfg.training.steps * 49 / 50).max(1);
+        feed += feed / 8 + 1;
+    }
+    Ok((cfg, feed, wait, bounded))
+}
+
+/// What the trainers reported until they all exited.
+struct Watched {
+    /// Each trainer's last progress.
+    last: Vec<Progress>,
+    /// Seconds until their recent loss first reached the target.
+    to_target: Option<f64>,
+    /// (seconds, samples completed, recent loss), about one point a second.
+    curve: Vec<(f64, u64, f64)>,
+}
+
+/// Follows the trainers' progress until they all exit (or the mode's time runs out).
+async fn watch(
+    mode: &str,
+    trainers: &mut [Proc],
+    started: Instant,
+    target: f64,
+    opts: &ConvergeOptions,
+) -> Result<Watched, HarnessError> {
+    let mut last = vec![Progress::default(); TRAINERS];
+    let mut to_target = None;
+    let mut curve: Vec<(f64, u64, f64)> = Vec::new();
+    let bar = crate::progress::Bar::new(opts.samples, "samples");
+    while !trainers.iter_mut().all(Proc::exited) {
+        if started.elapsed() > opts.timeout {
+            return Err(HarnessError::Process(format!(
+                "{mode}: not done after {:.0} s (raise --timeout or lower --samples)",
+                opts.timeout.as_secs_f64()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        super::demo::latest_progress(trainers, &mut last);
+        // Every trainer must have reported a loss: one trainer's alone is half the data.
+        let losses: Vec<f64> = last.iter().map(|p| p.loss).collect();
+        let reported = last.iter().all(|p| p.completed > 0);
+        if to_target.is_none() && reported && losses.iter().all(|l| l.is_finite()) {
+            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+            if mean <= target {
+                to_target = Some(started.elapsed().as_secs_f64());
+            }
+        }
+        let p = Progress::sum(&last);
+        let t = started.elapsed().as_secs_f64();
+        if reported && curve.last().is_none_or(|c| t - c.0 >= 1.0) {
+            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+            curve.push((t, p.completed, mean));
+        }
+        bar.set(p.completed, || {
+            format!(
+                "[{:>4.0}s] {mode}: step {:>4}  loss {}",
+                started.elapsed().as_secs_f64(),
+                p.step,
+                crate::progress::loss_text(p.completed, p.loss)
+            )
+        });
+    }
+    bar.clear();
+    super::demo::latest_progress(trainers, &mut last);
+    Ok(Watched {
+        last,
+        to_target,
         curve,
     })
 }
