@@ -51,7 +51,7 @@ impl State {
                 // A reduced chunk is applied by every member as it is: one holding NaN or
                 // ±inf ends the attempt (the leader retries) and is a strike.
                 let mut values = Vec::new();
-                let bad = match wire::decode_chunk_into(&frame, &Limits::default(), &mut values) {
+                let bad = match wire::decode_f32_into(&frame, &Limits::default(), &mut values) {
                     Ok(_) => super::guard::check_finite(&values).err(),
                     Err(e) => Some(e.to_string()),
                 };
@@ -96,7 +96,7 @@ impl State {
             own_count = 0;
         }
         let mut values = Vec::new();
-        let check = match wire::decode_chunk_into(frame, &Limits::default(), &mut values) {
+        let check = match wire::decode_f32_into(frame, &Limits::default(), &mut values) {
             Ok(_) if values.len() == range.len() => self.guard.check_part(chunk, &values, count),
             Ok(_) => Err(format!(
                 "a chunk of {} values, not {}",

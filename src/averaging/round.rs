@@ -458,7 +458,7 @@ impl Frames {
         if last.as_ref().map(|(j, _)| *j) != Some(i) {
             let (range, frame) = &self.chunks[i];
             let mut v = last.take().map(|(_, v)| v).unwrap_or_default();
-            wire::decode_chunk_into(frame, &Limits::default(), &mut v)
+            wire::decode_f32_into(frame, &Limits::default(), &mut v)
                 .map_err(|e| format!("a reduced chunk does not decode: {e}"))?;
             if v.len() != range.len() {
                 return Err("a reduced chunk of the wrong length".into());

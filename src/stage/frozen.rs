@@ -100,7 +100,7 @@ impl EncodedSum {
             .frame(c)
             .ok_or_else(|| ModelError::BadInput(format!("no chunk {c} of the frozen sum")))?;
         let mut out = Vec::new();
-        wire::decode_chunk_into(frame, &Limits::default(), &mut out)
+        wire::decode_f32_into(frame, &Limits::default(), &mut out)
             .map_err(|e| ModelError::BadInput(format!("decoding the frozen sum: {e}")))?;
         Ok(out)
     }

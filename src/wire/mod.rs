@@ -32,4 +32,4 @@ pub use frame::{
     decode, decode_f32_into, encode_f32, encode_u32, encoded_len, header_len, max_encoded_len,
     parse_header, Header, Limits, TensorData, WireError, WireTensor,
 };
-pub use sparse::{decode_chunk_into, encode_chunk, ChunkCodec};
+pub use sparse::{encode_chunk, ChunkCodec};

@@ -11,7 +11,7 @@
 //! quarter of its values nonzero gains nothing from this and is sent dense.
 
 use super::codec::CodecSpec;
-use super::frame::{decode_f32_into, encode_f32, encode_f32_sparse, Limits, WireError};
+use super::frame::{encode_f32, encode_f32_sparse, WireError};
 
 /// How the chunks of a flat vector are coded: the values' codec, and whether a mostly-zero
 /// chunk travels as its nonzeros only.
@@ -54,16 +54,6 @@ pub fn encode_chunk(
     }
     encode_f32_sparse(values.len(), &positions, &kept, &codec.values, out)?;
     Ok(())
-}
-
-/// Decodes a chunk's frame (sparse or not) into `out`; returns its length.
-pub fn decode_chunk_into(
-    bytes: &[u8],
-    limits: &Limits,
-    out: &mut Vec<f32>,
-) -> Result<usize, WireError> {
-    decode_f32_into(bytes, limits, out)?;
-    Ok(out.len())
 }
 
 /// Most nonzeros a sparse vector of `n` values holds: a quarter (a chunk with more travels
@@ -202,6 +192,13 @@ fn read_varint(bytes: &[u8], at: &mut usize) -> Result<u64, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::{decode_f32_into, Limits};
+
+    /// A frame decoded into `out`; returns its length.
+    fn decode_chunk_into(f: &[u8], lim: &Limits, out: &mut Vec<f32>) -> Result<usize, WireError> {
+        decode_f32_into(f, lim, out)?;
+        Ok(out.len())
+    }
 
     fn sparse(values: CodecSpec) -> ChunkCodec {
         ChunkCodec {

@@ -116,7 +116,7 @@ impl Outer {
             let frame = encoded
                 .frame(c as u32)
                 .ok_or_else(|| ModelError::BadInput(format!("no chunk {c} of the update")))?;
-            wire::decode_chunk_into(frame, &Limits::default(), &mut decoded)
+            wire::decode_f32_into(frame, &Limits::default(), &mut decoded)
                 .map_err(|err| ModelError::BadInput(format!("decoding the update: {err}")))?;
             for (x, d) in e.iter_mut().zip(&decoded) {
                 *x -= d;
