@@ -125,6 +125,9 @@ pub(crate) enum BenchCommand {
     /// Time to a target loss: synchronous, no-sync and delayed steps on a swarm of real
     /// tiny stages behind emulated links, and `train --local` for reference.
     Converge(bench_cmds::ConvergeArgs),
+    /// Hundreds of peers in this process (real libp2p stacks, sim stages, home links,
+    /// churn): join time, efficiency against the bound, DHT lookups, averaging groups.
+    Sim(crate::sim_cmd::SimArgs),
     /// A local swarm (separate processes, emulated home links) against its physical bound.
     Swarm {
         /// Comma-separated: homogeneous, heterogeneous, compression, churn, real, or all.

@@ -14,6 +14,7 @@ mod model_cmds;
 mod observe_cmd;
 mod peer_cmd;
 mod progress;
+mod sim_cmd;
 
 use anyhow::{bail, Context, Result};
 use bench_args::BenchCommand;
@@ -361,6 +362,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Bench {
             which: BenchCommand::Converge(a),
         } => bench_cmds::bench_converge(a),
+        Command::Bench {
+            which: BenchCommand::Sim(a),
+        } => sim_cmd::bench_sim(a),
         Command::Bench {
             which:
                 BenchCommand::Swarm {

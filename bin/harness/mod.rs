@@ -7,10 +7,12 @@
 //! - [`bench_swarm`] and [`scenarios`]: `shoal bench swarm`; [`bench_large`]: its `large`
 //!   scenario (averaging and state download of stages of real size).
 //! - [`bench_converge`]: `shoal bench converge` (time to a target loss per way of stepping).
+//! - [`bench_sim`]: `shoal bench sim` (hundreds of peers in this process, not children).
 
 pub mod bench_compress;
 pub mod bench_converge;
 pub mod bench_large;
+pub mod bench_sim;
 pub mod bench_swarm;
 pub mod demo;
 pub mod scenarios;

@@ -326,6 +326,9 @@ impl State {
         .await;
         match applied {
             Ok(Ok(())) => {
+                self.stats
+                    .members
+                    .fetch_add(members_done.len() as u64, Ordering::Relaxed);
                 self.last_members = members_done;
                 self.debug(|| {
                     format!(

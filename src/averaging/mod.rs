@@ -308,6 +308,8 @@ impl AvgStats {
 pub struct AvgStats {
     /// Steps applied through rounds.
     pub rounds: AtomicU64,
+    /// Members of those rounds, summed (÷ `rounds`: the mean group size).
+    pub members: AtomicU64,
     /// Attempts abandoned at their deadline.
     pub failed_attempts: AtomicU64,
     /// Part and reduced-part bytes sent.

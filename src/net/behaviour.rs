@@ -3,7 +3,9 @@
 //! Transports: TCP (noise, yamux) and QUIC, or in a private swarm TCP wrapped in pnet
 //! before noise (QUIC cannot carry pnet, so it is off), plus the relay client transport in
 //! both cases. With link emulation ([`super::link`]) it is TCP only too, every socket
-//! shaped before pnet and noise. Behaviours: Kademlia (`/shoal/kad/<wire version>`, records validated before they are
+//! shaped before pnet and noise; such a peer also speaks libp2p's in-process memory
+//! transport (`/memory/N` addresses, shaped the same way), on which `shoal bench sim` runs
+//! hundreds of peers in one process without a file descriptor per connection. Behaviours: Kademlia (`/shoal/kad/<wire version>`, records validated before they are
 //! stored; a peer found private serves it only through a relay, see [`super::reach`]), identify
 //! (carrying the wire version), ping, AutoNAT v2 (client and server), relay client,
 //! optional relay server, DCUtR, connection limits, and [`super::streams`] for our own stage
@@ -12,6 +14,7 @@
 use super::link::{Shaped, SharedLink};
 use super::{NetConfig, NetError};
 use futures::future::Either;
+use libp2p::core::transport::MemoryTransport;
 use libp2p::core::upgrade::Version;
 use libp2p::core::Transport;
 use libp2p::identity::Keypair;
@@ -159,9 +162,14 @@ pub fn build_swarm(cfg: &NetConfig) -> Result<Swarm<Behaviour>, NetError> {
                 .with_tokio()
                 .with_other_transport(|key| {
                     let noise = noise::Config::new(key)?;
+                    let mem_link = link.clone();
                     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-                        tcp::tokio::Transport::new(tcp_cfg)
-                            .map(move |socket, _| Shaped::new(socket, link.clone()))
+                        MemoryTransport::default()
+                            .map(move |socket, _| Shaped::new(socket, mem_link.clone()))
+                            .or_transport(
+                                tcp::tokio::Transport::new(tcp_cfg)
+                                    .map(move |socket, _| Shaped::new(socket, link.clone())),
+                            )
                             .and_then(move |socket, _| async move {
                                 match psk {
                                     Some(k) => pnet::PnetConfig::new(k)

@@ -14,6 +14,7 @@ pub mod keys;
 pub mod link;
 mod nat;
 pub mod reach;
+pub mod stats;
 pub mod streams;
 mod task;
 
@@ -163,6 +164,8 @@ pub struct NetHandle {
     /// The peer's identity key: signs the records it publishes about itself.
     identity: Keypair,
     events: tokio::sync::broadcast::Sender<reach::NetEvent>,
+    /// Durations of this peer's DHT gets.
+    lookups: std::sync::Arc<stats::LookupStats>,
 }
 
 impl std::fmt::Debug for NetHandle {
@@ -214,6 +217,7 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
         local,
         identity: cfg.identity.clone(),
         events,
+        lookups: Default::default(),
     })
 }
 
@@ -317,7 +321,15 @@ impl NetHandle {
 
     /// Every valid, unexpired value found under `key` (possibly several versions).
     pub async fn get_record(&self, key: Vec<u8>) -> Result<Vec<Vec<u8>>, NetError> {
-        self.ask(|r| Command::GetRecord(key, r)).await
+        let t0 = std::time::Instant::now();
+        let out = self.ask(|r| Command::GetRecord(key, r)).await;
+        self.lookups.record(t0.elapsed());
+        out
+    }
+
+    /// How long this peer's DHT gets (records and providers) took.
+    pub fn lookups(&self) -> &stats::LookupStats {
+        &self.lookups
     }
 
     /// Drops a record from the local store and stops republishing it.
@@ -337,7 +349,10 @@ impl NetHandle {
 
     /// The providers of `key` found in the DHT.
     pub async fn get_providers(&self, key: Vec<u8>) -> Result<HashSet<PeerId>, NetError> {
-        self.ask(|r| Command::GetProviders(key, r)).await
+        let t0 = std::time::Instant::now();
+        let out = self.ask(|r| Command::GetProviders(key, r)).await;
+        self.lookups.record(t0.elapsed());
+        out
     }
 
     /// Starts a DHT bootstrap (refreshes the routing table).

@@ -207,8 +207,13 @@ pub(super) fn on_autonat(
 }
 
 /// Whether two addresses name the same IP (a peer's listen address and the address its
-/// connection comes from).
+/// connection comes from), or are both in-process memory addresses (this process is
+/// their host).
 fn same_host(a: &Multiaddr, b: &Multiaddr) -> bool {
+    let memory = |m: &Multiaddr| m.iter().any(|p| matches!(p, Protocol::Memory(_)));
+    if memory(a) && memory(b) {
+        return true;
+    }
     let ip = |m: &Multiaddr| {
         m.iter().find_map(|p| match p {
             Protocol::Ip4(x) => Some(std::net::IpAddr::V4(x)),

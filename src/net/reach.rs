@@ -89,6 +89,8 @@ pub struct NetStatus {
     /// DHT records refused as forged (not signed by the peer they are about, or changed
     /// since), stored to us or fetched by us.
     pub forged_records: u64,
+    /// Peers in the DHT routing table.
+    pub routing_table: usize,
     /// Connected peers that identified themselves: peer id → what we know of them.
     pub remotes: std::collections::BTreeMap<String, Remote>,
 }

@@ -250,6 +250,12 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
         Command::Status(reply) => {
             let mut s = st.status.clone();
             s.relays = st.relays.keys().map(|p| p.to_string()).collect();
+            s.routing_table = swarm
+                .behaviour_mut()
+                .kad
+                .kbuckets()
+                .map(|b| b.num_entries())
+                .sum();
             let _ = reply.send(s);
         }
         Command::Shutdown => {}

@@ -1,0 +1,564 @@
+//! `shoal bench sim`: a swarm of hundreds of peers in this one process, each a full peer
+//! (its own libp2p stack on TCP over 127.0.0.1 behind its own emulated home link, its own
+//! DHT node, stage service, averager and rebalancer) serving `sim` stages, with trainer
+//! peers among them and churn. One process, not one per peer: a `shoal` process costs
+//! ~15 MB and its own runtime threads, which 200 times over would measure the 2 cores'
+//! scheduler more than the swarm; here the peers share one 2-thread runtime (as each
+//! process's would) and the sim stages sleep on their own compute threads.
+//!
+//! The swarm: three seed peers (DHT and bootstrap only, as a public swarm's bootstrap
+//! nodes), a tenth of the peers running a trainer loop each (no stage), and the rest
+//! serving a stage they choose themselves (`--stage auto`: the weakest), every one joining
+//! through the seeds at once. Links are drawn per peer: up and down log-uniform in 20–500
+//! Mbit/s, round trips uniform in 10–150 ms. Churn: each minute `--churn` of the stage
+//! peers leave, alternately gracefully and killed (no goodbye, as a crash), each replaced
+//! at once by a fresh `auto` peer.
+//!
+//! Efficiency is samples/s completed in the measured window over the bound of the swarm
+//! as it stood (sampled every second, averaged): per stage the sum over its serving
+//! replicas of min(compute, link capacities), and the trainers' links
+//! ([`super::scenarios::bound`]).
+
+use super::scenarios::{bound, ReplicaSpec, Setup};
+use futures::future::LocalBoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use libp2p::Multiaddr;
+use shoal::config::{RunConfig, StageKind};
+use shoal::dht::Manifest;
+use shoal::net::link::LinkSpec;
+use shoal::net::stats::LookupCounts;
+use shoal::net::NetConfig;
+use shoal::rng::Rng;
+use shoal::swarm::peer::{Peer, PeerConfig, PeerError, RunSource, StageChoice};
+use shoal::trainer::TrainerStats;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Seed peers: the bootstrap addresses every other peer is given.
+const SEEDS: usize = 3;
+
+/// Samples/s the whole pipeline is sized for (each stage's replicas together), whatever the
+/// number of peers: the sim stages sleep, but every call costs the shared cores its
+/// streams, encryption and codecs, and 2 cores carry ~100 samples/s of that with room.
+const SWARM_RATE: f64 = 100.0;
+
+/// Samples per microbatch.
+const MICROBATCH: usize = 4;
+
+/// Samples per optimizer step: a step every ~10 s.
+const TARGET_BATCH: usize = 1024;
+
+/// Microbatches in flight per serving replica, summed over the trainers: enough that every
+/// replica's queue holds one while the links' latency passes.
+const IN_FLIGHT_PER_REPLICA: usize = 3;
+
+/// What `shoal bench sim` is asked.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Peers, seeds and trainers included.
+    pub peers: usize,
+    /// Pipeline stages.
+    pub stages: usize,
+    /// Seconds of warm-up after every peer joined.
+    pub warmup: f64,
+    /// Seconds measured.
+    pub seconds: f64,
+    /// Fraction of the stage peers replaced each minute.
+    pub churn: f64,
+    /// Seed of the links drawn.
+    pub seed: u64,
+    /// Scratch directory (the manifest file).
+    pub dir: PathBuf,
+    /// Peers talk over TCP on 127.0.0.1 (a file descriptor per connection end) instead of
+    /// libp2p's in-process memory transport.
+    pub tcp: bool,
+}
+
+/// What it measured.
+#[derive(Debug, Clone, Default)]
+pub struct SimRow {
+    pub peers: usize,
+    pub stage_peers: usize,
+    pub trainer_peers: usize,
+    pub stages: usize,
+    /// Seconds from the first start until every peer of the initial swarm served its
+    /// stage (or ran its trainer).
+    pub joined_s: f64,
+    /// Median join time of the initial peers, s.
+    pub joined_p50_s: f64,
+    /// Join times of the peers that came in by churn: median and longest, s.
+    pub churn_join_p50_s: f64,
+    pub churn_join_max_s: f64,
+    pub samples_per_s: f64,
+    pub bound: f64,
+    pub efficiency: f64,
+    pub bottleneck: String,
+    pub fed: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub vanished: i64,
+    pub swaps: u64,
+    pub left: usize,
+    pub killed: usize,
+    pub lookups: u64,
+    pub lookup_p50_ms: f64,
+    pub lookup_p99_ms: f64,
+    /// DHT gets per peer per minute in the window.
+    pub lookups_per_peer_min: f64,
+    pub rebalance_moves: u64,
+    /// Mean members per averaging round, per stage.
+    pub avg_group_sizes: Vec<f64>,
+    pub avg_rounds: u64,
+    pub avg_failed_attempts: u64,
+    pub dht_routing_table_p50: f64,
+    /// Serving replicas per stage at the end.
+    pub placement: Vec<usize>,
+    pub peak_rss_mib: f64,
+    pub rss_per_peer_mib: f64,
+    pub window_s: f64,
+}
+
+impl SimRow {
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "peers": self.peers, "stage_peers": self.stage_peers,
+            "trainer_peers": self.trainer_peers, "stages": self.stages,
+            "joined_s": self.joined_s, "joined_p50_s": self.joined_p50_s,
+            "churn_join_p50_s": self.churn_join_p50_s, "churn_join_max_s": self.churn_join_max_s,
+            "samples_per_s": self.samples_per_s, "bound": self.bound,
+            "efficiency": self.efficiency, "bottleneck": self.bottleneck,
+            "fed": self.fed, "completed": self.completed, "failed": self.failed,
+            "vanished": self.vanished, "swaps": self.swaps, "left": self.left,
+            "killed": self.killed, "lookups": self.lookups,
+            "lookup_p50_ms": self.lookup_p50_ms, "lookup_p99_ms": self.lookup_p99_ms,
+            "lookups_per_peer_min": self.lookups_per_peer_min,
+            "rebalance_moves": self.rebalance_moves,
+            "avg_group_sizes": self.avg_group_sizes, "avg_rounds": self.avg_rounds,
+            "avg_failed_attempts": self.avg_failed_attempts,
+            "dht_routing_table_p50": self.dht_routing_table_p50,
+            "placement": self.placement, "peak_rss_mib": self.peak_rss_mib,
+            "rss_per_peer_mib": self.rss_per_peer_mib, "window_s": self.window_s,
+        })
+    }
+}
+
+/// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
+/// together doing [`SWARM_RATE`] samples/s.
+pub fn sim_run(stages: usize, replicas_per_stage: f64) -> RunConfig {
+    let mut cfg = RunConfig::tiny();
+    cfg.model.n_layers = stages.max(1);
+    cfg.stages.count = stages;
+    cfg.stages.cuts.clear();
+    cfg.stages.kind = StageKind::Sim;
+    cfg.stages.sim_ms_per_sample = Some(1e3 * replicas_per_stage / SWARM_RATE);
+    cfg.training.batch_size = MICROBATCH;
+    cfg.training.steps = 1_000_000;
+    cfg.training.target_batch_size = Some(TARGET_BATCH);
+    cfg
+}
+
+/// A home link drawn from the spread.
+fn draw_link(rng: &mut Rng) -> LinkSpec {
+    let mbit = |rng: &mut Rng| 20.0 * (500.0f64 / 20.0).powf(rng.next_f64()) * 1e6 / 8.0;
+    LinkSpec {
+        up: Some(mbit(rng)),
+        down: Some(mbit(rng)),
+        rtt: Duration::from_millis(10 + rng.below(141)),
+    }
+}
+
+struct Member {
+    peer: Peer,
+    link: LinkSpec,
+    trainer: bool,
+}
+
+type Started = (usize, Result<Peer, PeerError>, Duration);
+
+/// The sim swarm while it runs.
+struct Sim {
+    opts: SimOptions,
+    manifest: Manifest,
+    boot: Vec<Multiaddr>,
+    rng: Rng,
+    /// Every peer ever started, by slot; `None` once it left.
+    members: Vec<Option<Member>>,
+    links: Vec<LinkSpec>,
+    starting: FuturesUnordered<LocalBoxFuture<'static, Started>>,
+    leaving: FuturesUnordered<LocalBoxFuture<'static, ()>>,
+    trainer_stats: Vec<Arc<TrainerStats>>,
+    churn_joins: Vec<f64>,
+    left: usize,
+    killed: usize,
+    /// Lookup counts of peers that left.
+    gone_lookups: LookupCounts,
+    replica_rate: f64,
+    concurrency: usize,
+}
+
+impl Sim {
+    fn peer_config(&self, slot: usize, trainer: bool) -> PeerConfig {
+        let id = libp2p::identity::Keypair::generate_ed25519();
+        let mut net = NetConfig::new(id, vec![listen_addr(self.opts.tcp)]);
+        net.link = Some(self.links[slot]);
+        // Autonat probes of 200 loopback peers are noise: they are all reachable.
+        net.probe_interval = Duration::from_secs(3600);
+        let stage = if trainer || slot < SEEDS {
+            StageChoice::None
+        } else {
+            StageChoice::Auto
+        };
+        let run = RunSource::Id(self.manifest.id.clone());
+        let mut cfg = PeerConfig::new(run, net, self.boot.clone(), stage);
+        cfg.allow_sim = true;
+        cfg.throughput = Some(self.replica_rate);
+        cfg.rebalance = Some(PeerConfig::REBALANCE_EVERY);
+        if trainer {
+            cfg.trainers = 1;
+            cfg.trainer.index = slot as u64;
+            cfg.trainer.concurrency = self.concurrency;
+            cfg.trainer.sync_steps = false;
+        }
+        // A replica holds every microbatch routed to it (see `bench_swarm::replica_args`).
+        cfg.service.queue_cap = cfg.service.queue_cap.max(4 * IN_FLIGHT_PER_REPLICA);
+        cfg.kept_forwards = cfg.kept_forwards.max(8 * IN_FLIGHT_PER_REPLICA);
+        cfg
+    }
+
+    /// Starts the peer of `slot` (a new slot gets a fresh link).
+    fn start(&mut self, slot: usize, trainer: bool) {
+        while self.links.len() <= slot {
+            let l = draw_link(&mut self.rng);
+            self.links.push(l);
+        }
+        let cfg = self.peer_config(slot, trainer);
+        self.starting.push(Box::pin(async move {
+            let t0 = Instant::now();
+            let r = Peer::start(cfg, |_| {}).await;
+            (slot, r, t0.elapsed())
+        }));
+    }
+
+    /// Takes in a peer that finished starting; returns its join time.
+    fn started(&mut self, (slot, r, took): Started) -> Result<f64, String> {
+        let peer = r.map_err(|e| format!("peer {slot} did not start: {e}"))?;
+        let trainer = !peer.trainers().is_empty();
+        self.trainer_stats
+            .extend(peer.trainers().iter().map(|t| Arc::clone(t.stats())));
+        while self.members.len() <= slot {
+            self.members.push(None);
+        }
+        self.members[slot] = Some(Member {
+            peer,
+            link: self.links[slot],
+            trainer,
+        });
+        Ok(took.as_secs_f64())
+    }
+
+    /// One stage peer leaves (gracefully or killed, alternately) and a fresh one starts.
+    fn churn_one(&mut self) {
+        let serving: Vec<usize> = (0..self.members.len())
+            .filter(|&i| {
+                self.members[i]
+                    .as_ref()
+                    .is_some_and(|m| !m.trainer && m.peer.stage().is_some())
+            })
+            .collect();
+        if serving.is_empty() {
+            return;
+        }
+        let slot = serving[self.rng.below(serving.len() as u64) as usize];
+        let Some(m) = self.members[slot].take() else {
+            return;
+        };
+        self.gone_lookups.add(&m.peer.net().lookups().snapshot());
+        let kill = (self.left + self.killed) % 2 == 1;
+        if kill {
+            self.killed += 1;
+            self.leaving.push(Box::pin(m.peer.kill()));
+        } else {
+            self.left += 1;
+            self.leaving.push(Box::pin(async move {
+                let _ = m.peer.stop().await;
+            }));
+        }
+        let fresh = self.links.len();
+        self.start(fresh, false);
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Member> {
+        self.members.iter().flatten()
+    }
+
+    /// The swarm's bound now (samples/s) and what sets it.
+    fn bound_now(&self, ratio: f64) -> (f64, String) {
+        let replicas: Vec<ReplicaSpec> = self
+            .live()
+            .filter_map(|m| {
+                m.peer.stage().map(|stage| ReplicaSpec {
+                    stage,
+                    link: m.link,
+                    slowdown: 1.0,
+                })
+            })
+            .collect();
+        let compute = vec![self.replica_rate; replicas.len()];
+        let setup = Setup {
+            label: "sim".into(),
+            run: self.manifest.config.clone(),
+            replicas,
+            trainers: self.live().filter(|m| m.trainer).map(|m| m.link).collect(),
+            concurrency: self.concurrency,
+            churn: None,
+            routing: "wiring",
+            call_timeout: None,
+            large: false,
+            sync: false,
+        };
+        let (b, what, _) = bound(&setup, &compute, ratio, None);
+        (b, what)
+    }
+
+    fn completed(&self) -> u64 {
+        self.trainer_stats
+            .iter()
+            .map(|s| s.completed.load(Relaxed))
+            .sum()
+    }
+
+    fn lookups(&self) -> LookupCounts {
+        let mut c = self.gone_lookups.clone();
+        for m in self.live() {
+            c.add(&m.peer.net().lookups().snapshot());
+            for t in m.peer.trainers() {
+                c.add(&t.client().net().lookups().snapshot());
+            }
+        }
+        c
+    }
+
+    /// Wire bytes over raw on the trainers' clients (1 before any was sent).
+    fn wire_ratio(&self) -> f64 {
+        let (mut wire, mut raw) = (0u64, 0u64);
+        for m in self.live() {
+            for t in m.peer.trainers() {
+                let c = t.client().counters();
+                wire += c.sent.load(Relaxed) + c.received.load(Relaxed);
+                raw += c.raw.load(Relaxed);
+            }
+        }
+        if raw == 0 {
+            1.0
+        } else {
+            wire as f64 / raw as f64
+        }
+    }
+}
+
+fn listen_addr(tcp: bool) -> Multiaddr {
+    use libp2p::multiaddr::Protocol;
+    if tcp {
+        Multiaddr::from(std::net::Ipv4Addr::LOCALHOST).with(Protocol::Tcp(0))
+    } else {
+        Multiaddr::empty().with(Protocol::Memory(0))
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Runs the sim swarm and measures it.
+pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
+    if opts.peers < SEEDS + 2 + opts.stages {
+        return Err(format!(
+            "--peers {} is too few: {SEEDS} seeds, 2 trainers and a replica per stage at least",
+            opts.peers
+        ));
+    }
+    let trainers = (opts.peers / 10).max(2);
+    let stage_peers = opts.peers - SEEDS - trainers;
+    let per_stage = stage_peers as f64 / opts.stages as f64;
+    let cfg = sim_run(opts.stages, per_stage);
+    cfg.validate().map_err(|e| e.to_string())?;
+    let manifest = Manifest::from_config(&cfg).map_err(|e| e.to_string())?;
+    let path = opts.dir.join("sim-run.toml");
+    std::fs::write(&path, manifest.file_text()).map_err(|e| format!("{}: {e}", path.display()))?;
+    let rss0 = rss_mib();
+    let concurrency = (IN_FLIGHT_PER_REPLICA * stage_peers).div_ceil(trainers);
+    let mut sim = Sim {
+        rng: Rng::new(opts.seed),
+        replica_rate: SWARM_RATE / per_stage,
+        concurrency,
+        opts,
+        manifest,
+        boot: Vec::new(),
+        members: Vec::new(),
+        links: Vec::new(),
+        starting: FuturesUnordered::new(),
+        leaving: FuturesUnordered::new(),
+        trainer_stats: Vec::new(),
+        churn_joins: Vec::new(),
+        left: 0,
+        killed: 0,
+        gone_lookups: LookupCounts::default(),
+    };
+    let t0 = Instant::now();
+    // The seeds, one by one: the first publishes the run.
+    let mut joins = Vec::new();
+    for slot in 0..SEEDS {
+        sim.links.push(draw_link(&mut sim.rng));
+        let mut cfg = sim.peer_config(slot, false);
+        if slot == 0 {
+            cfg.run = RunSource::File(path.clone());
+        }
+        let started = Instant::now();
+        let r = Peer::start(cfg, |_| {}).await;
+        joins.push(sim.started((slot, r, started.elapsed()))?);
+        if let Some(m) = &sim.members[slot] {
+            sim.boot.extend(m.peer.addrs().iter().take(1).cloned());
+        }
+    }
+    for slot in SEEDS..sim.opts.peers {
+        sim.start(slot, slot < SEEDS + trainers);
+    }
+    tracing::info!(target: "shoal::bench", peers = sim.opts.peers, stage_peers, trainers, "starting");
+    while let Some(s) = sim.starting.next().await {
+        joins.push(sim.started(s)?);
+    }
+    let joined_s = t0.elapsed().as_secs_f64();
+    tracing::info!(target: "shoal::bench", joined_s, "every peer joined");
+    let joined_p50_s = median(&mut joins);
+    measure(&mut sim, joined_s, joined_p50_s, rss0, stage_peers, trainers).await
+}
+
+/// Warm-up, the measured window with churn, then the trainers' stop and the tally.
+async fn measure(
+    sim: &mut Sim,
+    joined_s: f64,
+    joined_p50_s: f64,
+    rss0: f64,
+    stage_peers: usize,
+    trainers: usize,
+) -> Result<SimRow, String> {
+    tokio::time::sleep(Duration::from_secs_f64(sim.opts.warmup)).await;
+    let churn_every = (sim.opts.churn > 0.0)
+        .then(|| Duration::from_secs_f64(60.0 / (sim.opts.churn * stage_peers as f64)));
+    let (c0, l0, w0) = (sim.completed(), sim.lookups(), Instant::now());
+    let (mut bounds, mut what) = (Vec::new(), std::collections::BTreeMap::new());
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut next_churn = churn_every.map(|d| Instant::now() + d);
+    let end = w0 + Duration::from_secs_f64(sim.opts.seconds);
+    while Instant::now() < end {
+        tokio::select! {
+            _ = tick.tick() => {
+                let (b, w) = sim.bound_now(sim.wire_ratio());
+                bounds.push(b);
+                *what.entry(w).or_insert(0usize) += 1;
+                if let (Some(at), Some(every)) = (next_churn, churn_every) {
+                    if Instant::now() >= at {
+                        sim.churn_one();
+                        next_churn = Some(at + every);
+                    }
+                }
+            }
+            Some(s) = sim.starting.next(), if !sim.starting.is_empty() => {
+                let took = sim.started(s)?;
+                sim.churn_joins.push(took);
+            }
+            Some(()) = sim.leaving.next(), if !sim.leaving.is_empty() => {}
+        }
+    }
+    let window_s = w0.elapsed().as_secs_f64();
+    let done = sim.completed() - c0;
+    let lookups = sim.lookups().since(&l0);
+    let mut row = tally(sim, window_s).await;
+    row.peers = sim.opts.peers;
+    row.stage_peers = stage_peers;
+    row.trainer_peers = trainers;
+    row.stages = sim.opts.stages;
+    row.joined_s = joined_s;
+    row.joined_p50_s = joined_p50_s;
+    row.churn_join_p50_s = median(&mut sim.churn_joins.clone());
+    row.churn_join_max_s = sim.churn_joins.iter().copied().fold(0.0, f64::max);
+    row.samples_per_s = done as f64 / window_s;
+    row.bound = bounds.iter().sum::<f64>() / bounds.len().max(1) as f64;
+    row.efficiency = if row.bound > 0.0 {
+        row.samples_per_s / row.bound
+    } else {
+        0.0
+    };
+    row.bottleneck = what
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(w, _)| w)
+        .unwrap_or_default();
+    row.lookups = lookups.count();
+    row.lookup_p50_ms = lookups.quantile_ms(0.5);
+    row.lookup_p99_ms = lookups.quantile_ms(0.99);
+    row.lookups_per_peer_min = lookups.count() as f64 / sim.opts.peers as f64 / (window_s / 60.0);
+    row.left = sim.left;
+    row.killed = sim.killed;
+    row.window_s = window_s;
+    row.peak_rss_mib = shoal::swarm::events::peak_rss_bytes().map_or(0.0, |b| b as f64 / 1048576.0);
+    row.rss_per_peer_mib = (row.peak_rss_mib - rss0).max(0.0) / sim.opts.peers as f64;
+    Ok(row)
+}
+
+/// What the live swarm says of itself; then every peer stops (trainers first) and the
+/// trainers' accounting is read.
+async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
+    let mut row = SimRow::default();
+    let stages = sim.opts.stages;
+    let (mut members, mut rounds) = (vec![0u64; stages], vec![0u64; stages]);
+    let mut tables = Vec::new();
+    row.placement = vec![0; stages];
+    for m in sim.live() {
+        row.rebalance_moves += m.peer.moves();
+        if let Ok(st) = m.peer.net().status().await {
+            tables.push(st.routing_table as f64);
+        }
+        let (Some(s), Some(a)) = (m.peer.stage(), m.peer.avg_stats()) else {
+            continue;
+        };
+        if let Some(p) = row.placement.get_mut(s) {
+            *p += 1;
+            members[s] += a.members.load(Relaxed);
+            rounds[s] += a.rounds.load(Relaxed);
+        }
+        row.avg_rounds += a.rounds.load(Relaxed);
+        row.avg_failed_attempts += a.failed_attempts.load(Relaxed);
+    }
+    row.avg_group_sizes = (0..stages)
+        .map(|s| members[s] as f64 / rounds[s].max(1) as f64)
+        .collect();
+    row.dht_routing_table_p50 = median(&mut tables);
+    // Trainers first: their microbatches finish while every replica still serves.
+    let (trainer_peers, others): (Vec<Member>, Vec<Member>) = sim
+        .members
+        .iter_mut()
+        .filter_map(Option::take)
+        .partition(|m| m.trainer);
+    futures::future::join_all(trainer_peers.into_iter().map(|m| m.peer.stop())).await;
+    row.fed = sim.trainer_stats.iter().map(|s| s.fed.load(Relaxed)).sum();
+    row.completed = sim.completed();
+    row.failed = sim.trainer_stats.iter().map(|s| s.failed.load(Relaxed)).sum();
+    row.swaps = sim.trainer_stats.iter().map(|s| s.swaps.load(Relaxed)).sum();
+    row.vanished = row.fed as i64 - row.completed as i64 - row.failed as i64;
+    while sim.leaving.next().await.is_some() {}
+    futures::future::join_all(others.into_iter().map(|m| m.peer.kill())).await;
+    row
+}

@@ -1,0 +1,110 @@
+//! `shoal bench sim`: its flags, and the table it prints ([`crate::harness::bench_sim`]
+//! runs the swarm).
+
+use crate::harness::bench_sim::{self, SimOptions, SimRow};
+use crate::peer_cmd::runtime;
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Flags of `shoal bench sim`.
+#[derive(clap::Args)]
+pub struct SimArgs {
+    /// Peers in the swarm: 3 seeds, a tenth running trainers, the rest serving stages.
+    #[arg(long, default_value_t = 200, value_name = "N")]
+    peers: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    stages: usize,
+    /// Seconds measured (with churn), after every peer joined and the warm-up.
+    #[arg(long, default_value_t = 90.0, value_name = "SECS")]
+    seconds: f64,
+    /// Seconds of warm-up once every peer joined.
+    #[arg(long, default_value_t = 15.0, value_name = "SECS")]
+    warmup: f64,
+    /// Fraction of the stage peers that leave each minute (alternately gracefully and
+    /// killed), each replaced by a fresh peer; 0: no churn.
+    #[arg(long, default_value_t = 0.05, value_name = "FRACTION")]
+    churn: f64,
+    /// Seed of the links drawn per peer.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    seed: u64,
+    /// Connect the peers over TCP on 127.0.0.1 instead of libp2p's in-process memory
+    /// transport (each connection then costs two file descriptors: 200 peers need
+    /// `ulimit -n` well above 20,000).
+    #[arg(long)]
+    tcp: bool,
+    /// Also write the row as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
+    if a.stages == 0 || !(a.seconds > 0.0) || !(a.warmup >= 0.0) {
+        bail!("--stages and --seconds must be positive, --warmup at least 0");
+    }
+    if !(0.0..=1.0).contains(&a.churn) {
+        bail!("--churn is a fraction of the stage peers per minute, 0 to 1, not {}", a.churn);
+    }
+    let dir = tempfile_dir()?;
+    let opts = SimOptions {
+        peers: a.peers,
+        stages: a.stages,
+        warmup: a.warmup,
+        seconds: a.seconds,
+        churn: a.churn,
+        seed: a.seed,
+        dir: dir.clone(),
+        tcp: a.tcp,
+    };
+    let rt = runtime()?;
+    let row = rt.block_on(bench_sim::run(opts));
+    rt.shutdown_timeout(std::time::Duration::from_secs(5));
+    let _ = std::fs::remove_dir_all(&dir);
+    let row = row.map_err(|e| anyhow::anyhow!(e))?;
+    print_row(&row);
+    if let Some(path) = a.json {
+        let text = serde_json::to_string_pretty(&[row.to_json()])?;
+        shoal::files::write_atomic(&path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("shoal-sim-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn print_row(r: &SimRow) {
+    println!(
+        "{} peers ({} serving {} stages, {} with trainers, 3 seeds): every peer joined in {:.1} s (median {:.1} s)",
+        r.peers, r.stage_peers, r.stages, r.trainer_peers, r.joined_s, r.joined_p50_s
+    );
+    println!(
+        "{:.1} samples/s against a bound of {:.1} ({}): efficiency {:.2} over {:.0} s",
+        r.samples_per_s, r.bound, r.bottleneck, r.efficiency, r.window_s
+    );
+    println!(
+        "samples fed {}, completed {}, failed {}, vanished {}; {} calls swapped",
+        r.fed, r.completed, r.failed, r.vanished, r.swaps
+    );
+    println!(
+        "churn: {} left, {} killed; joiners took {:.1} s (median), {:.1} s (longest)",
+        r.left, r.killed, r.churn_join_p50_s, r.churn_join_max_s
+    );
+    println!(
+        "DHT: {} gets, p50 {:.0} ms, p99 {:.0} ms, {:.1} per peer per minute; routing table p50 {:.0} peers",
+        r.lookups, r.lookup_p50_ms, r.lookup_p99_ms, r.lookups_per_peer_min, r.dht_routing_table_p50
+    );
+    let groups: Vec<String> = r.avg_group_sizes.iter().map(|g| format!("{g:.1}")).collect();
+    println!(
+        "averaging: {} rounds, {} attempts abandoned, mean group size per stage [{}]; placement {:?}; {} rebalancing moves",
+        r.avg_rounds, r.avg_failed_attempts, groups.join(", "), r.placement, r.rebalance_moves
+    );
+    println!(
+        "memory: peak {:.0} MiB, {:.1} MiB per peer",
+        r.peak_rss_mib, r.rss_per_peer_mib
+    );
+}
