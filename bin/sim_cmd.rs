@@ -1,7 +1,8 @@
 //! `shoal bench sim`: its flags, and the table it prints ([`crate::harness::bench_sim`]
 //! runs the swarm).
 
-use crate::harness::bench_sim::{self, SimOptions, SimRow};
+use crate::harness::bench_sim::{self, SimOptions};
+use crate::harness::bench_sim_row::SimRow;
 use crate::peer_cmd::runtime;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -40,11 +41,19 @@ pub struct SimArgs {
 }
 
 pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
-    if a.stages == 0 || !(a.seconds > 0.0) || !(a.warmup >= 0.0) {
+    if a.stages == 0
+        || a.seconds.is_nan()
+        || a.seconds <= 0.0
+        || a.warmup.is_nan()
+        || a.warmup < 0.0
+    {
         bail!("--stages and --seconds must be positive, --warmup at least 0");
     }
     if !(0.0..=1.0).contains(&a.churn) {
-        bail!("--churn is a fraction of the stage peers per minute, 0 to 1, not {}", a.churn);
+        bail!(
+            "--churn is a fraction of the stage peers per minute, 0 to 1, not {}",
+            a.churn
+        );
     }
     let dir = tempfile_dir()?;
     let opts = SimOptions {
@@ -90,15 +99,28 @@ fn print_row(r: &SimRow) {
         "samples fed {}, completed {}, failed {}, vanished {}; {} calls swapped",
         r.fed, r.completed, r.failed, r.vanished, r.swaps
     );
+    for (why, n) in r.failures.iter().take(3) {
+        println!("  {n} failed: {why}");
+    }
+    for (why, n) in r.swap_reasons.iter().take(3) {
+        println!("  {n} swapped: {why}");
+    }
     println!(
-        "churn: {} left, {} killed; joiners took {:.1} s (median), {:.1} s (longest)",
-        r.left, r.killed, r.churn_join_p50_s, r.churn_join_max_s
+        "churn: {} left, {} killed; joiners took {:.1} s (median), {:.1} s (longest); {} failed to join",
+        r.left, r.killed, r.churn_join_p50_s, r.churn_join_max_s, r.join_failures.len()
     );
+    for why in r.join_failures.iter().take(3) {
+        println!("  {why}");
+    }
     println!(
         "DHT: {} gets, p50 {:.0} ms, p99 {:.0} ms, {:.1} per peer per minute; routing table p50 {:.0} peers",
         r.lookups, r.lookup_p50_ms, r.lookup_p99_ms, r.lookups_per_peer_min, r.dht_routing_table_p50
     );
-    let groups: Vec<String> = r.avg_group_sizes.iter().map(|g| format!("{g:.1}")).collect();
+    let groups: Vec<String> = r
+        .avg_group_sizes
+        .iter()
+        .map(|g| format!("{g:.1}"))
+        .collect();
     println!(
         "averaging: {} rounds, {} attempts abandoned, mean group size per stage [{}]; placement {:?}; {} rebalancing moves",
         r.avg_rounds, r.avg_failed_attempts, groups.join(", "), r.placement, r.rebalance_moves

@@ -105,7 +105,7 @@ async fn forged_announcement_stored_to_a_peer_is_refused_and_counted() {
     );
     // A's own, signed with its key, is stored and read back by B.
     let genuine = ann(RUN, &a_id, now);
-    shoal::stage::registry::announce(&a, &genuine, Duration::from_secs(30))
+    shoal::stage::registry::announce(&a, &genuine, Duration::from_secs(30), true)
         .await
         .unwrap();
     let mut read = None;

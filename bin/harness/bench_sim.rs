@@ -19,6 +19,7 @@
 //! replicas of min(compute, link capacities), and the trainers' links
 //! ([`super::scenarios::bound`]).
 
+use super::bench_sim_row::{reasons, SimRow};
 use super::scenarios::{bound, ReplicaSpec, Setup};
 use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -76,74 +77,6 @@ pub struct SimOptions {
     pub tcp: bool,
 }
 
-/// What it measured.
-#[derive(Debug, Clone, Default)]
-pub struct SimRow {
-    pub peers: usize,
-    pub stage_peers: usize,
-    pub trainer_peers: usize,
-    pub stages: usize,
-    /// Seconds from the first start until every peer of the initial swarm served its
-    /// stage (or ran its trainer).
-    pub joined_s: f64,
-    /// Median join time of the initial peers, s.
-    pub joined_p50_s: f64,
-    /// Join times of the peers that came in by churn: median and longest, s.
-    pub churn_join_p50_s: f64,
-    pub churn_join_max_s: f64,
-    pub samples_per_s: f64,
-    pub bound: f64,
-    pub efficiency: f64,
-    pub bottleneck: String,
-    pub fed: u64,
-    pub completed: u64,
-    pub failed: u64,
-    pub vanished: i64,
-    pub swaps: u64,
-    pub left: usize,
-    pub killed: usize,
-    pub lookups: u64,
-    pub lookup_p50_ms: f64,
-    pub lookup_p99_ms: f64,
-    /// DHT gets per peer per minute in the window.
-    pub lookups_per_peer_min: f64,
-    pub rebalance_moves: u64,
-    /// Mean members per averaging round, per stage.
-    pub avg_group_sizes: Vec<f64>,
-    pub avg_rounds: u64,
-    pub avg_failed_attempts: u64,
-    pub dht_routing_table_p50: f64,
-    /// Serving replicas per stage at the end.
-    pub placement: Vec<usize>,
-    pub peak_rss_mib: f64,
-    pub rss_per_peer_mib: f64,
-    pub window_s: f64,
-}
-
-impl SimRow {
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "peers": self.peers, "stage_peers": self.stage_peers,
-            "trainer_peers": self.trainer_peers, "stages": self.stages,
-            "joined_s": self.joined_s, "joined_p50_s": self.joined_p50_s,
-            "churn_join_p50_s": self.churn_join_p50_s, "churn_join_max_s": self.churn_join_max_s,
-            "samples_per_s": self.samples_per_s, "bound": self.bound,
-            "efficiency": self.efficiency, "bottleneck": self.bottleneck,
-            "fed": self.fed, "completed": self.completed, "failed": self.failed,
-            "vanished": self.vanished, "swaps": self.swaps, "left": self.left,
-            "killed": self.killed, "lookups": self.lookups,
-            "lookup_p50_ms": self.lookup_p50_ms, "lookup_p99_ms": self.lookup_p99_ms,
-            "lookups_per_peer_min": self.lookups_per_peer_min,
-            "rebalance_moves": self.rebalance_moves,
-            "avg_group_sizes": self.avg_group_sizes, "avg_rounds": self.avg_rounds,
-            "avg_failed_attempts": self.avg_failed_attempts,
-            "dht_routing_table_p50": self.dht_routing_table_p50,
-            "placement": self.placement, "peak_rss_mib": self.peak_rss_mib,
-            "rss_per_peer_mib": self.rss_per_peer_mib, "window_s": self.window_s,
-        })
-    }
-}
-
 /// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
 /// together doing [`SWARM_RATE`] samples/s.
 pub fn sim_run(stages: usize, replicas_per_stage: f64) -> RunConfig {
@@ -190,12 +123,16 @@ struct Sim {
     leaving: FuturesUnordered<LocalBoxFuture<'static, ()>>,
     trainer_stats: Vec<Arc<TrainerStats>>,
     churn_joins: Vec<f64>,
+    /// Why churn joiners failed to start.
+    join_failures: Vec<String>,
     left: usize,
     killed: usize,
     /// Lookup counts of peers that left.
     gone_lookups: LookupCounts,
     replica_rate: f64,
     concurrency: usize,
+    /// (event, seconds since that peer's start) of every start-up event reported.
+    phases: Arc<parking_lot::Mutex<Vec<(String, f64)>>>,
 }
 
 impl Sim {
@@ -234,9 +171,18 @@ impl Sim {
             self.links.push(l);
         }
         let cfg = self.peer_config(slot, trainer);
+        let phases = Arc::clone(&self.phases);
         self.starting.push(Box::pin(async move {
             let t0 = Instant::now();
-            let r = Peer::start(cfg, |_| {}).await;
+            let r = Peer::start(cfg, move |e| {
+                if let Some(name) = serde_json::to_value(&e)
+                    .ok()
+                    .and_then(|v| v.get("event")?.as_str().map(String::from))
+                {
+                    phases.lock().push((name, t0.elapsed().as_secs_f64()));
+                }
+            })
+            .await;
             (slot, r, t0.elapsed())
         }));
     }
@@ -412,9 +358,11 @@ pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
         leaving: FuturesUnordered::new(),
         trainer_stats: Vec::new(),
         churn_joins: Vec::new(),
+        join_failures: Vec::new(),
         left: 0,
         killed: 0,
         gone_lookups: LookupCounts::default(),
+        phases: Default::default(),
     };
     let t0 = Instant::now();
     // The seeds, one by one: the first publishes the run.
@@ -442,7 +390,23 @@ pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
     let joined_s = t0.elapsed().as_secs_f64();
     tracing::info!(target: "shoal::bench", joined_s, "every peer joined");
     let joined_p50_s = median(&mut joins);
-    measure(&mut sim, joined_s, joined_p50_s, rss0, stage_peers, trainers).await
+    let mut by: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    for (e, t) in sim.phases.lock().drain(..) {
+        by.entry(e).or_default().push(t);
+    }
+    for (e, mut t) in by {
+        let max = t.iter().copied().fold(0.0, f64::max);
+        tracing::info!(target: "shoal::bench", "start-up event {e}: {} peers, median {:.1} s, last {max:.1} s", t.len(), median(&mut t));
+    }
+    measure(
+        &mut sim,
+        joined_s,
+        joined_p50_s,
+        rss0,
+        stage_peers,
+        trainers,
+    )
+    .await
 }
 
 /// Warm-up, the measured window with churn, then the trainers' stop and the tally.
@@ -476,8 +440,13 @@ async fn measure(
                 }
             }
             Some(s) = sim.starting.next(), if !sim.starting.is_empty() => {
-                let took = sim.started(s)?;
-                sim.churn_joins.push(took);
+                match sim.started(s) {
+                    Ok(took) => sim.churn_joins.push(took),
+                    Err(e) => {
+                        tracing::warn!(target: "shoal::bench", "{e}");
+                        sim.join_failures.push(e);
+                    }
+                }
             }
             Some(()) = sim.leaving.next(), if !sim.leaving.is_empty() => {}
         }
@@ -494,6 +463,7 @@ async fn measure(
     row.joined_p50_s = joined_p50_s;
     row.churn_join_p50_s = median(&mut sim.churn_joins.clone());
     row.churn_join_max_s = sim.churn_joins.iter().copied().fold(0.0, f64::max);
+    row.join_failures = sim.join_failures.clone();
     row.samples_per_s = done as f64 / window_s;
     row.bound = bounds.iter().sum::<f64>() / bounds.len().max(1) as f64;
     row.efficiency = if row.bound > 0.0 {
@@ -555,9 +525,19 @@ async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
     futures::future::join_all(trainer_peers.into_iter().map(|m| m.peer.stop())).await;
     row.fed = sim.trainer_stats.iter().map(|s| s.fed.load(Relaxed)).sum();
     row.completed = sim.completed();
-    row.failed = sim.trainer_stats.iter().map(|s| s.failed.load(Relaxed)).sum();
-    row.swaps = sim.trainer_stats.iter().map(|s| s.swaps.load(Relaxed)).sum();
+    row.failed = sim
+        .trainer_stats
+        .iter()
+        .map(|s| s.failed.load(Relaxed))
+        .sum();
+    row.swaps = sim
+        .trainer_stats
+        .iter()
+        .map(|s| s.swaps.load(Relaxed))
+        .sum();
     row.vanished = row.fed as i64 - row.completed as i64 - row.failed as i64;
+    row.failures = reasons(sim.trainer_stats.iter().map(|s| &s.failures));
+    row.swap_reasons = reasons(sim.trainer_stats.iter().map(|s| &s.swap_reasons));
     while sim.leaving.next().await.is_some() {}
     futures::future::join_all(others.into_iter().map(|m| m.peer.kill())).await;
     row

@@ -13,6 +13,7 @@ pub mod bench_compress;
 pub mod bench_converge;
 pub mod bench_large;
 pub mod bench_sim;
+pub mod bench_sim_row;
 pub mod bench_swarm;
 pub mod demo;
 pub mod scenarios;

@@ -40,6 +40,7 @@ pub(super) struct State {
     pub(super) n: usize,
     /// Bytes of the stage's whole gradient in the gradient codec (at most).
     pub(super) gradient_bytes: u64,
+    pub(super) base_cfg: AveragerConfig, // `cfg` is it `fitted` to the stage's size
     pub(super) cfg: AveragerConfig,
     pub(super) client: StageClient,
     pub(super) service: Arc<StageService>,
@@ -99,6 +100,7 @@ impl State {
         let mut next_membership = Instant::now();
         // One DHT lookup of the stage's replicas at a time.
         let mut lookup: Option<tokio::task::JoinHandle<()>> = None;
+        let how = registry::Reading::cached(&registry::AnnCache::new(super::MEMBERSHIP_MAX_AGE));
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
@@ -140,6 +142,7 @@ impl State {
                 }
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
+            self.cfg = self.base_cfg.fitted(self.known.len());
             if self.left {
                 // Gone from the stage: answer nothing, start nothing.
                 continue;
@@ -149,8 +152,9 @@ impl State {
                 next_membership = Instant::now() + self.cfg.membership_every;
                 let net = self.client.net().clone();
                 let (run, stage, tx) = (self.client.run().to_string(), self.stage, mtx.clone());
+                let how = how.clone();
                 lookup = Some(tokio::spawn(async move {
-                    if let Ok(anns) = registry::read_stage(&net, &run, stage).await {
+                    if let Ok(anns) = registry::read_stage_with(&net, &run, stage, &how).await {
                         let peers = anns
                             .into_iter()
                             .filter_map(|a| {

@@ -319,7 +319,8 @@ impl NetHandle {
         .await?
     }
 
-    /// Every valid, unexpired value found under `key` (possibly several versions).
+    /// Valid, unexpired values found under `key` (possibly several versions; the walk ends
+    /// after a few).
     pub async fn get_record(&self, key: Vec<u8>) -> Result<Vec<Vec<u8>>, NetError> {
         let t0 = std::time::Instant::now();
         let out = self.ask(|r| Command::GetRecord(key, r)).await;

@@ -143,6 +143,11 @@ pub(super) fn on_identify(
     }
     answer_dials(st, peer, Ok(()));
     st.status.observed(&info.observed_addr);
+    if is_memory(&info.observed_addr) && st.status.reachability != reach::Reachability::Public {
+        // An in-process address: every peer that could learn it can dial it, and AutoNAT
+        // cannot test it (it dials back IP addresses only).
+        st.status.confirmed(&info.observed_addr);
+    }
     st.first_observed.get_or_insert_with(Instant::now);
     st.status.remotes.entry(peer.to_string()).or_default().agent = info.agent_version.clone();
     // The address of this connection, unless it is relayed.
@@ -210,8 +215,7 @@ pub(super) fn on_autonat(
 /// connection comes from), or are both in-process memory addresses (this process is
 /// their host).
 fn same_host(a: &Multiaddr, b: &Multiaddr) -> bool {
-    let memory = |m: &Multiaddr| m.iter().any(|p| matches!(p, Protocol::Memory(_)));
-    if memory(a) && memory(b) {
+    if is_memory(a) && is_memory(b) {
         return true;
     }
     let ip = |m: &Multiaddr| {
@@ -222,6 +226,11 @@ fn same_host(a: &Multiaddr, b: &Multiaddr) -> bool {
         })
     };
     matches!((ip(a), ip(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// Whether an address is libp2p's in-process memory transport's.
+fn is_memory(a: &Multiaddr) -> bool {
+    a.iter().any(|p| matches!(p, Protocol::Memory(_)))
 }
 
 /// A hole punch ended.

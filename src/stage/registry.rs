@@ -61,18 +61,25 @@ pub async fn fetch_manifest(
     }
 }
 
-/// Publishes an announcement, signed with this peer's key, and provides its stage key and
-/// the peers key.
-pub async fn announce(net: &NetHandle, ann: &Announcement, ttl: Duration) -> Result<(), NetError> {
+/// Publishes an announcement, signed with this peer's key; with `provide`, also provides
+/// its stage key and the peers key (the DHT then republishes those on its own, so a
+/// re-announcement need not), all three at once.
+pub async fn announce(
+    net: &NetHandle,
+    ann: &Announcement,
+    ttl: Duration,
+    provide: bool,
+) -> Result<(), NetError> {
     let signed = ann
         .signed(net.identity())
         .map_err(|e| NetError::Dht(e.to_string()))?;
-    net.put_record(dht::announcement_key(&ann.peer).into_bytes(), signed, ttl)
-        .await?;
-    net.start_providing(dht::stage_key(&ann.run, ann.stage as usize).into_bytes())
-        .await?;
-    net.start_providing(dht::PEERS_KEY.as_bytes().to_vec())
-        .await
+    let put = net.put_record(dht::announcement_key(&ann.peer).into_bytes(), signed, ttl);
+    if !provide {
+        return put.await;
+    }
+    let stage = net.start_providing(dht::stage_key(&ann.run, ann.stage as usize).into_bytes());
+    let peers = net.start_providing(dht::PEERS_KEY.as_bytes().to_vec());
+    tokio::try_join!(put, stage, peers).map(|_| ())
 }
 
 /// Withdraws an announcement locally (remote copies expire on their own).
@@ -112,13 +119,70 @@ pub async fn read_stage(
     run: &str,
     stage: usize,
 ) -> Result<Vec<Announcement>, NetError> {
+    read_stage_with(net, run, stage, &Reading::default()).await
+}
+
+/// How a reader reads a stage: with a cache of announcements read lately, and at most so
+/// many of them.
+#[derive(Debug, Clone, Default)]
+pub struct Reading {
+    /// Reuse announcements read less than its age ago.
+    pub cache: Option<AnnCache>,
+    /// Read at most this many of the stage's providers, picked at random with this seed.
+    pub sample: Option<(usize, u64)>,
+}
+
+impl Reading {
+    /// Every provider, through `cache`.
+    pub fn cached(cache: &AnnCache) -> Self {
+        Self {
+            cache: Some(cache.clone()),
+            sample: None,
+        }
+    }
+}
+
+/// [`read_stage`] as `how` says.
+pub async fn read_stage_with(
+    net: &NetHandle,
+    run: &str,
+    stage: usize,
+    how: &Reading,
+) -> Result<Vec<Announcement>, NetError> {
+    Ok(read_stage_counted(net, run, stage, how).await?.0)
+}
+
+/// [`read_stage_with`], and how many providers the stage has (more than returned when
+/// sampled).
+pub async fn read_stage_counted(
+    net: &NetHandle,
+    run: &str,
+    stage: usize,
+    how: &Reading,
+) -> Result<(Vec<Announcement>, usize), NetError> {
     let providers = net
         .get_providers(dht::stage_key(run, stage).into_bytes())
         .await?;
-    let mut anns = read_peers(net, providers).await;
+    let total = providers.len();
+    let mut peers: Vec<PeerId> = providers.into_iter().collect();
+    if let Some((cap, seed)) = how.sample {
+        if peers.len() > cap {
+            peers.sort();
+            let mut rng = crate::rng::Rng::new(crate::rng::derive_seed(seed, run) ^ stage as u64);
+            for i in 0..cap {
+                let j = i + rng.below((peers.len() - i) as u64) as usize;
+                peers.swap(i, j);
+            }
+            peers.truncate(cap);
+        }
+    }
+    let mut anns = match &how.cache {
+        Some(c) => c.read(net, stage, peers).await,
+        None => read_peers(net, peers).await,
+    };
     anns.retain(|a| a.run == run && a.stage as usize == stage);
     anns.sort_by(|a, b| a.peer.cmp(&b.peer));
-    Ok(anns)
+    Ok((anns, total))
 }
 
 /// The live announcements of every stage of a run, indexed by stage.
@@ -127,8 +191,77 @@ pub async fn read_run(
     run: &str,
     stages: usize,
 ) -> Result<Vec<Vec<Announcement>>, NetError> {
-    let all = join_all((0..stages).map(|s| read_stage(net, run, s))).await;
+    read_run_with(net, run, stages, &Reading::default()).await
+}
+
+/// [`read_run`] as `how` says.
+pub async fn read_run_with(
+    net: &NetHandle,
+    run: &str,
+    stages: usize,
+    how: &Reading,
+) -> Result<Vec<Vec<Announcement>>, NetError> {
+    let all = join_all((0..stages).map(|s| read_stage_with(net, run, s, how))).await;
     all.into_iter().collect()
+}
+
+/// Announcements read lately, by peer. A reader that re-reads its stages every second
+/// (a trainer's routing table, an averager's membership) fetches a replica's record again
+/// only once its copy is `max_age` old, whether or not the copy has expired: in a swarm of
+/// 200 the trainers' refreshes were otherwise ~180 record lookups a second each. The
+/// providers are read every time and a copy is kept only while its peer provides the
+/// stage, so a replica that withdrew drops out at once (one that died, when its provider
+/// record expires), and a new one is read at once.
+#[derive(Debug, Clone)]
+pub struct AnnCache {
+    max_age: Duration,
+    inner: std::sync::Arc<
+        parking_lot::Mutex<std::collections::HashMap<PeerId, (Announcement, tokio::time::Instant)>>,
+    >,
+}
+
+impl AnnCache {
+    /// Copies are reused for `max_age`.
+    pub fn new(max_age: Duration) -> Self {
+        Self {
+            max_age,
+            inner: Default::default(),
+        }
+    }
+
+    /// The announcements of `peers`, the providers of `stage` now.
+    async fn read(&self, net: &NetHandle, stage: usize, peers: Vec<PeerId>) -> Vec<Announcement> {
+        let now = tokio::time::Instant::now();
+        let mut out = Vec::with_capacity(peers.len());
+        let mut stale = Vec::new();
+        {
+            let mut map = self.inner.lock();
+            map.retain(|p, (a, at)| {
+                now.duration_since(*at) < self.max_age
+                    && (a.stage as usize != stage || peers.contains(p))
+            });
+            for p in peers {
+                match map.get(&p) {
+                    Some((a, _)) => out.push(a.clone()),
+                    None => stale.push(p),
+                }
+            }
+        }
+        let fetched = join_all(
+            stale
+                .into_iter()
+                .map(|p| async move { (p, read_announcement(net, p).await) }),
+        )
+        .await;
+        let mut map = self.inner.lock();
+        for (p, a) in fetched {
+            if let Some(a) = a {
+                map.insert(p, (a.clone(), now));
+                out.push(a);
+            }
+        }
+        out
+    }
 }
 
 /// Every live announcement of any run (through the peers key).

@@ -23,8 +23,9 @@ pub(super) struct Refresh {
 }
 
 impl Refresh {
-    /// Announces the replica as it is now (and hands the same text to `info` calls).
-    pub(super) async fn once(&self) -> Result<(), NetError> {
+    /// Announces the replica as it is now (and hands the same text to `info` calls); the
+    /// first time (`provide`) also as a provider of its stage.
+    pub(super) async fn once(&self, provide: bool) -> Result<(), NetError> {
         let addrs = self.net.listen_addrs().await?;
         let now = dht::now_ms();
         let ann = Announcement {
@@ -60,7 +61,7 @@ impl Refresh {
         };
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
-        registry::announce(&self.net, &ann, self.ttl).await?;
+        registry::announce(&self.net, &ann, self.ttl, provide).await?;
         *self.last.lock() = Some(ann);
         Ok(())
     }
@@ -70,7 +71,7 @@ impl Refresh {
         let period = (self.ttl / 3).max(Duration::from_millis(200));
         loop {
             tokio::time::sleep(period).await;
-            if let Err(e) = self.once().await {
+            if let Err(e) = self.once(false).await {
                 tracing::warn!(target: "shoal::peer", "cannot refresh the announcement: {e}");
             }
         }

@@ -22,37 +22,57 @@ pub async fn join(net: &NetHandle, bootstrap: &[Multiaddr]) -> Result<(), PeerEr
     let deadline = tokio::time::Instant::now() + BOOTSTRAP_PATIENCE;
     let mut backoff = Duration::from_millis(500);
     loop {
-        let errors = dial_all(net, bootstrap).await;
-        if errors.len() < bootstrap.len() {
-            net.bootstrap().await?;
-            return Ok(());
+        if let Some(errors) = dial_first(net, bootstrap).await {
+            let refused = errors.iter().all(|(_, refused)| *refused);
+            let now = tokio::time::Instant::now();
+            if refused || now + backoff > deadline {
+                let errors: Vec<String> = errors.into_iter().map(|(e, _)| e).collect();
+                return Err(PeerError::Bootstrap(errors.join("; ")));
+            }
+            tracing::debug!(target: "shoal::peer", "no bootstrap peer answered; trying again in {backoff:?}");
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+            continue;
         }
-        let refused = errors.iter().all(|(_, refused)| *refused);
-        let now = tokio::time::Instant::now();
-        if refused || now + backoff > deadline {
-            let errors: Vec<String> = errors.into_iter().map(|(e, _)| e).collect();
-            return Err(PeerError::Bootstrap(errors.join("; ")));
+        net.bootstrap().await?;
+        return Ok(());
+    }
+}
+
+/// Dials every address at once and returns as soon as one answers (`None`; the other dials
+/// go on in the background), or with every failure. A swarm's few bootstrap peers are
+/// busiest while many peers join at once: waiting for all of them made a joiner wait for
+/// the slowest.
+async fn dial_first(net: &NetHandle, addrs: &[Multiaddr]) -> Option<Vec<(String, bool)>> {
+    let mut dials: futures::stream::FuturesUnordered<_> = addrs
+        .iter()
+        .map(|a| {
+            let (net, a) = (net.clone(), a.clone());
+            tokio::spawn(async move { dial_one(&net, a).await })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    while let Some(r) = futures::StreamExt::next(&mut dials).await {
+        match r {
+            Ok(None) => return None,
+            Ok(Some(e)) => errors.push(e),
+            Err(e) => errors.push((e.to_string(), false)),
         }
-        tracing::debug!(target: "shoal::peer", "no bootstrap peer answered; trying again in {backoff:?}");
-        tokio::time::sleep(backoff).await;
-        backoff *= 2;
+    }
+    Some(errors)
+}
+
+async fn dial_one(net: &NetHandle, a: Multiaddr) -> Option<(String, bool)> {
+    match tokio::time::timeout(Duration::from_secs(15), net.dial(a.clone())).await {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some((e.to_string(), matches!(e, net::NetError::Refused { .. }))),
+        Err(_) => Some((format!("{a}: no answer in 15 s"), false)),
     }
 }
 
 /// Dials every address at once; the failures, each with whether it was a refusal.
 async fn dial_all(net: &NetHandle, addrs: &[Multiaddr]) -> Vec<(String, bool)> {
-    let dials = futures::future::join_all(addrs.iter().map(|a| {
-        let net = net.clone();
-        let a = a.clone();
-        async move {
-            match tokio::time::timeout(Duration::from_secs(15), net.dial(a.clone())).await {
-                Ok(Ok(_)) => None,
-                Ok(Err(e)) => Some((e.to_string(), matches!(e, net::NetError::Refused { .. }))),
-                Err(_) => Some((format!("{a}: no answer in 15 s"), false)),
-            }
-        }
-    }))
-    .await;
+    let dials = futures::future::join_all(addrs.iter().map(|a| dial_one(net, a.clone()))).await;
     dials.into_iter().flatten().collect()
 }
 

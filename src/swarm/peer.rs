@@ -20,7 +20,7 @@ use super::serving::{rebalance_loop, Ctx, Slot};
 use crate::averaging::sync::{SyncError, SyncReport};
 use crate::averaging::AvgStats;
 use crate::config::StageKind;
-use crate::dht::{self, Announcement, Manifest, ManifestError};
+use crate::dht::{self, Manifest, ManifestError};
 use crate::model::ModelError;
 use crate::net::{self, NetConfig, NetError, NetHandle};
 use crate::stage::registry::{self, RegistryError};
@@ -35,6 +35,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Lifetime of the manifest's DHT record: a run's manifest never changes (its id is its
+/// hash), so it lives long and is republished seldom. With the announcements' 30 s, every
+/// peer republished it every 10 s: in a swarm of 200, 20 stores a second at the same 20
+/// peers (those closest to its key), whose answers to everything else then ran late.
+pub const MANIFEST_TTL: Duration = Duration::from_secs(5 * 60);
 
 /// Where the run comes from.
 #[derive(Debug, Clone)]
@@ -279,15 +285,20 @@ impl Peer {
             }
             (None, RunSource::File(p)) => Manifest::load(p)?,
         };
-        registry::publish_manifest(&net, &manifest, cfg.announce_ttl).await?;
-        // Every peer keeps the manifest alive (a bootstrap that serves no stage too): its
-        // record expires with the announcement TTL.
+        let ttl = cfg.announce_ttl.max(MANIFEST_TTL);
+        registry::publish_manifest(&net, &manifest, ttl).await?;
+        // Every peer keeps the manifest alive (a bootstrap that serves no stage too), each
+        // at its own random times within a third of the record's TTL.
         {
-            let (net, manifest, ttl) = (net.clone(), manifest.clone(), cfg.announce_ttl);
+            let (net, manifest) = (net.clone(), manifest.clone());
+            let mut rng = crate::rng::Rng::new(crate::rng::derive_seed(
+                dht::now_ms(),
+                &net.local_peer_id().to_string(),
+            ));
             tasks.spawn(async move {
-                let period = (ttl / 3).max(Duration::from_millis(200));
                 loop {
-                    tokio::time::sleep(period).await;
+                    let period = (ttl / 3).mul_f64(0.5 + rng.next_f64() / 2.0);
+                    tokio::time::sleep(period.max(Duration::from_millis(200))).await;
                     if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
                         tracing::warn!(target: "shoal::peer", "cannot republish the manifest: {e}");
                     }
@@ -315,8 +326,8 @@ impl Peer {
             emit,
             departed: Mutex::new(Vec::new()),
         });
-        let per_stage = match cfg.stage {
-            StageChoice::None => Vec::new(),
+        let live = match cfg.stage {
+            StageChoice::None => select::Sampled::default(),
             _ => ctx.live().await?,
         };
         let stage_idx = match cfg.stage {
@@ -329,12 +340,11 @@ impl Peer {
                 )))
             }
             StageChoice::Auto => {
-                let anns: Vec<Announcement> = per_stage.iter().flatten().cloned().collect();
                 // Ties (empty stages, when peers start together) are broken by peer id,
                 // so joiners spread; the rebalancer fills a stage still empty in seconds.
                 let me = net.local_peer_id().to_string();
                 let pick = crate::rng::derive_seed(0, &me) as usize;
-                Some(select::weakest_of(&select::loads(count, &anns), pick).unwrap_or(0))
+                Some(select::weakest_of(&live.loads(), pick).unwrap_or(0))
             }
             StageChoice::None => None,
         };
@@ -351,7 +361,7 @@ impl Peer {
             trainer_net: None,
         };
         if let Some(stage_idx) = stage_idx {
-            let serving = ctx.serve(stage_idx, &per_stage[stage_idx]).await?;
+            let serving = ctx.serve(stage_idx, &live.per_stage[stage_idx]).await?;
             *peer.slot.lock() = Some(serving);
             if let Some(period) = cfg.rebalance {
                 let seed = crate::rng::derive_seed(

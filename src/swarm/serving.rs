@@ -98,13 +98,28 @@ pub(crate) fn peers_of(anns: &[Announcement]) -> Vec<PeerId> {
 }
 
 impl Ctx {
-    /// The live replicas of every stage: announcements whose peer answers `info` for that
-    /// stage (a dead peer's announcement lives on until it expires, and a leaving one
+    /// The live replicas of every stage, from a sample of at most [`LIVE_SAMPLE`] of each
+    /// stage's providers ([`select::Sampled`]): announcements whose peer answers `info` for
+    /// that stage (a dead peer's announcement lives on until it expires, and a leaving one
     /// refuses `info`). This peer's own announcement counts without a call.
-    pub(super) async fn live(&self) -> Result<Vec<Vec<Announcement>>, PeerError> {
+    pub(super) async fn live(&self) -> Result<select::Sampled, PeerError> {
         let count = self.manifest.config.stages.count;
-        let per_stage = registry::read_run(&self.net, &self.manifest.id, count).await?;
         let me = self.net.local_peer_id().to_string();
+        let how = registry::Reading {
+            cache: None,
+            sample: Some((LIVE_SAMPLE, crate::rng::derive_seed(0, &me) ^ now_nanos())),
+        };
+        let read = futures::future::join_all(
+            (0..count).map(|s| registry::read_stage_counted(&self.net, &self.manifest.id, s, &how)),
+        )
+        .await;
+        let mut per_stage = Vec::with_capacity(count);
+        let mut scale = Vec::with_capacity(count);
+        for r in read {
+            let (anns, providers) = r?;
+            scale.push(providers as f64 / providers.clamp(1, LIVE_SAMPLE) as f64);
+            per_stage.push(anns);
+        }
         let client = StageClient::new(
             self.net.clone(),
             self.manifest.id.clone(),
@@ -135,7 +150,10 @@ impl Ctx {
                 v.push(a);
             }
         }
-        Ok(out)
+        Ok(select::Sampled {
+            per_stage: out,
+            scale,
+        })
     }
 
     /// Builds, syncs (from the replicas `announced`, if any), serves and announces stage
@@ -305,7 +323,7 @@ impl Ctx {
             ttl: cfg.announce_ttl,
             last: Arc::clone(&self.last),
         };
-        refresh.once().await?;
+        refresh.once(true).await?;
         // Periodic checkpoints run beside the announcements and stop with them.
         let periodic = match (&cfg.checkpoint, cfg.checkpoint_every) {
             (Some(path), Some(every)) => Some(periodic_checkpoints(
@@ -428,11 +446,19 @@ impl Ctx {
     /// Where this peer should move from `mine`, judged on the live swarm.
     async fn target(&self, mine: usize, my_tp: f64) -> Option<(usize, Vec<Vec<Announcement>>)> {
         let live = self.live().await.ok()?;
-        let anns: Vec<Announcement> = live.iter().flatten().cloned().collect();
-        let loads = select::loads(self.manifest.config.stages.count, &anns);
-        let tps: Vec<f64> = anns.iter().map(|a| a.samples_per_s).collect();
-        select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY).map(|t| (t, live))
+        let (loads, tps) = (live.loads(), live.throughputs());
+        select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY)
+            .map(|t| (t, live.per_stage))
     }
+}
+
+/// Providers of each stage a joining or rebalancing peer reads and calls, at most.
+const LIVE_SAMPLE: usize = 16;
+
+fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// How soon a peer checks for an empty stage after it starts serving, and again while one
@@ -476,7 +502,7 @@ pub(super) async fn rebalance_loop(
                 continue;
             };
             let now = Instant::now();
-            for a in live.iter().flatten() {
+            for a in live.all() {
                 seen.insert(a.peer.clone(), (a.stage as usize, now));
             }
             seen.insert(me.clone(), (mine, now));
@@ -486,7 +512,15 @@ pub(super) async fn rebalance_loop(
             // Check again soon while a stage is empty and another has a replica to spare.
             fast = select::fillable(count, &placed);
             if let Some(target) = select::fill_empty(count, &placed, &me) {
-                move_to(&ctx, &slot, &moving, &moves, (mine, target), &live).await;
+                move_to(
+                    &ctx,
+                    &slot,
+                    &moving,
+                    &moves,
+                    (mine, target),
+                    &live.per_stage,
+                )
+                .await;
             }
             continue;
         }

@@ -119,7 +119,14 @@ struct Ctx {
     rng: Mutex<Rng>,
     /// Per stage: the next turn of round-robin routing.
     turns: Vec<std::sync::atomic::AtomicUsize>,
+    /// Announcements read lately ([`refresh`]).
+    anns: crate::stage::registry::AnnCache,
 }
+
+/// How long a trainer reuses a replica's announcement before reading it again: the
+/// providers are read at every refresh, so only a replica's announced throughput, queue
+/// and step age (the trainer measures the first two itself once it calls the replica).
+const ANNOUNCEMENT_MAX_AGE: Duration = Duration::from_secs(60);
 
 /// A running trainer loop.
 pub struct Trainer {
@@ -173,6 +180,7 @@ impl Trainer {
             total_steps: m.config.training.steps,
             target: m.config.target_batch_size(),
             table: Mutex::new(vec![Vec::new(); stages]),
+            anns: crate::stage::registry::AnnCache::new(ANNOUNCEMENT_MAX_AGE),
             stats: Arc::clone(&stats),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             turns: (0..stages)
@@ -262,7 +270,7 @@ async fn run(
         let ctx = Arc::clone(&ctx);
         refresher.spawn(tracing::Instrument::in_current_span(async move {
             loop {
-                tokio::time::sleep(ctx.cfg.refresh).await;
+                tokio::time::sleep(refresh::period(&ctx)).await;
                 refresh::refresh(&ctx).await;
             }
         }));

@@ -8,11 +8,36 @@ use crate::stage::registry;
 use libp2p::{Multiaddr, PeerId};
 use std::sync::atomic::Ordering;
 
+/// Refreshes come this many times less often once every stage has [`SETTLED_REPLICAS`]
+/// replicas: a trainer then learns of dead replicas from its calls, and each refresh is a
+/// DHT walk per stage (20 trainers refreshing every second were 80 walks a second in a
+/// swarm of 200).
+const SETTLED_SLOWDOWN: u32 = 5;
+/// Replicas per stage from which the trainer's table counts as settled.
+const SETTLED_REPLICAS: usize = 2;
+
+/// How long until the next refresh: `cfg.refresh`, or [`SETTLED_SLOWDOWN`] times it once
+/// every stage has enough replicas in the table.
+pub(super) fn period(ctx: &Ctx) -> std::time::Duration {
+    let settled = ctx
+        .table
+        .lock()
+        .iter()
+        .all(|row| row.len() >= SETTLED_REPLICAS);
+    if settled {
+        ctx.cfg.refresh * SETTLED_SLOWDOWN
+    } else {
+        ctx.cfg.refresh
+    }
+}
+
 /// Re-reads the stage announcements into the routing table, keeping what was measured of
 /// replicas still announced.
 pub(super) async fn refresh(ctx: &Ctx) {
     let net = ctx.client.net();
-    let Ok(per_stage) = registry::read_run(net, ctx.client.run(), ctx.stages).await else {
+    let how = registry::Reading::cached(&ctx.anns);
+    let Ok(per_stage) = registry::read_run_with(net, ctx.client.run(), ctx.stages, &how).await
+    else {
         return;
     };
     let mut fresh: Table = Vec::with_capacity(ctx.stages);
@@ -50,6 +75,17 @@ pub(super) async fn refresh(ctx: &Ctx) {
     }
     let mut table = ctx.table.lock();
     for (s, row) in fresh.iter_mut().enumerate() {
+        // A walk that found less than half the replicas known is more likely a slow or
+        // partial DHT lookup (in a busy swarm of 200 many timed out empty) than half a
+        // stage gone at once: the known ones stay, and calls find out which are dead.
+        if row.len() * 2 < table[s].len() {
+            let missing: Vec<_> = table[s]
+                .iter()
+                .filter(|(p, _)| !row.iter().any(|(q, _)| q == p))
+                .cloned()
+                .collect();
+            row.extend(missing);
+        }
         for (peer, st) in row.iter_mut() {
             if let Some((_, old)) = table[s].iter().find(|(p, _)| p == peer) {
                 st.measured = old.measured;
