@@ -492,4 +492,28 @@ mod tests {
         assert_eq!(set.round_timeout, Duration::from_millis(12_500));
         assert_eq!(set.live_timeout, Duration::from_secs(1));
     }
+
+    #[test]
+    fn heartbeats_slow_down_with_the_stage_mates() {
+        let base = AveragerConfig::for_run(&RunConfig::tiny(), 1000);
+        let small = base.fitted(3);
+        assert_eq!(
+            (small.heartbeat, small.live_timeout, small.membership_every),
+            (base.heartbeat, base.live_timeout, base.membership_every),
+            "a small stage keeps its config"
+        );
+        let big = base.fitted(44);
+        assert_eq!(big.heartbeat, Duration::from_millis(4400));
+        assert_eq!(big.live_timeout, Duration::from_millis(13_200));
+        assert_eq!(big.membership_every, Duration::from_millis(8800));
+        // A replica's heartbeats to all its mates stay at ten a second or fewer.
+        for mates in [1, 4, 10, 44, 200] {
+            let c = base.fitted(mates);
+            assert!(
+                mates as f64 / c.heartbeat.as_secs_f64() <= 10.0 + 1e-9,
+                "{mates}"
+            );
+            assert!(c.live_timeout >= c.heartbeat * 3);
+        }
+    }
 }

@@ -214,6 +214,49 @@ fn holes(stages: usize, placed: &[(String, usize)]) -> (Vec<usize>, Vec<&str>) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    fn ann(peer: &str, stage: u32, samples_per_s: f64) -> Announcement {
+        Announcement {
+            v: crate::dht::record::ANN_VERSION,
+            run: "ab".repeat(16),
+            peer: peer.into(),
+            addrs: Vec::new(),
+            stage,
+            stages: 2,
+            step: 0,
+            samples_per_s,
+            device: "cpu".into(),
+            queue: 0,
+            queue_cap: 8,
+            params_hash: "00".into(),
+            issued_ms: 0,
+            expires_ms: 1,
+            banned: Vec::new(),
+            uplink: 0,
+        }
+    }
+
+    #[test]
+    fn a_sample_stands_for_the_whole_stage() {
+        // Stage 0: 2 of 8 providers read (scale 4); stage 1: all 3 read.
+        let s = Sampled {
+            per_stage: vec![
+                vec![ann("a", 0, 10.0), ann("b", 0, 20.0)],
+                vec![ann("c", 1, 5.0), ann("d", 1, 5.0), ann("e", 1, 5.0)],
+            ],
+            scale: vec![4.0, 1.0],
+        };
+        let l = s.loads();
+        assert_eq!((l[0].replicas, l[0].total), (8, 120.0));
+        assert_eq!((l[1].replicas, l[1].total), (3, 15.0));
+        assert_eq!(weakest(&l), Some(1));
+        let tps = s.throughputs();
+        assert_eq!(tps.len(), 11);
+        assert!((tps.iter().sum::<f64>() - 135.0).abs() < 1e-9);
+        assert_eq!(s.all().count(), 5);
+    }
+
     #[test]
     fn ties_for_the_weakest_stage_are_broken_by_the_pick() {
         let load = |stage, replicas, total| StageLoad {
@@ -258,8 +301,6 @@ mod tests {
             .all(|p| super::fill_empty(3, &thin, p).is_none()));
         assert!(!super::fillable(2, &full) && !super::fillable(3, &thin));
     }
-
-    use super::*;
 
     fn load(stage: usize, replicas: usize, total: f64) -> StageLoad {
         StageLoad {
