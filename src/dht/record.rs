@@ -116,6 +116,30 @@ pub struct BanNote {
 pub const MAX_BANNED: usize = 8;
 
 impl Announcement {
+    /// An announcement of `peer` serving `stage` of a 2-stage run at 10 samples/s, for
+    /// unit tests of the choices made over announcements.
+    #[cfg(test)]
+    pub(crate) fn for_tests(peer: &str, stage: u32) -> Self {
+        Self {
+            v: ANN_VERSION,
+            run: "ab".repeat(16),
+            peer: peer.into(),
+            addrs: Vec::new(),
+            stage,
+            stages: 2,
+            step: 4,
+            samples_per_s: 10.0,
+            device: "cpu".into(),
+            queue: 0,
+            queue_cap: 8,
+            params_hash: "00".into(),
+            issued_ms: 0,
+            expires_ms: 1,
+            banned: Vec::new(),
+            uplink: 0,
+        }
+    }
+
     /// Its JSON text (what `info` calls answer, and the payload signed for the DHT).
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()

@@ -218,22 +218,8 @@ mod tests {
 
     fn ann(peer: &str, stage: u32, samples_per_s: f64) -> Announcement {
         Announcement {
-            v: crate::dht::record::ANN_VERSION,
-            run: "ab".repeat(16),
-            peer: peer.into(),
-            addrs: Vec::new(),
-            stage,
-            stages: 2,
-            step: 0,
             samples_per_s,
-            device: "cpu".into(),
-            queue: 0,
-            queue_cap: 8,
-            params_hash: "00".into(),
-            issued_ms: 0,
-            expires_ms: 1,
-            banned: Vec::new(),
-            uplink: 0,
+            ..Announcement::for_tests(peer, stage)
         }
     }
 

@@ -163,26 +163,13 @@ pub fn to_json(runs: &[RunView]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dht::record::{BanNote, ANN_VERSION};
+    use crate::dht::record::BanNote;
 
     fn ann(peer: &str, stage: u32, banned: Vec<BanNote>, uplink: u64) -> Announcement {
         Announcement {
-            v: ANN_VERSION,
-            run: "ab".repeat(16),
-            peer: peer.into(),
-            addrs: Vec::new(),
-            stage,
-            stages: 2,
-            step: 4,
-            samples_per_s: 10.0,
-            device: "cpu".into(),
-            queue: 0,
-            queue_cap: 8,
-            params_hash: "00".into(),
-            issued_ms: 0,
-            expires_ms: 1,
             banned,
             uplink,
+            ..Announcement::for_tests(peer, stage)
         }
     }
 
