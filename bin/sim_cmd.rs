@@ -35,6 +35,9 @@ pub struct SimArgs {
     /// `ulimit -n` well above 20,000).
     #[arg(long)]
     tcp: bool,
+    /// Close connections idle this many seconds (default: a peer's default, 120).
+    #[arg(long, value_name = "SECS")]
+    idle_timeout: Option<f64>,
     /// Also write the row as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -65,6 +68,10 @@ pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
         seed: a.seed,
         dir: dir.clone(),
         tcp: a.tcp,
+        idle: a
+            .idle_timeout
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(std::time::Duration::from_secs_f64),
     };
     let rt = runtime()?;
     let row = rt.block_on(bench_sim::run(opts));
@@ -113,8 +120,8 @@ fn print_row(r: &SimRow) {
         println!("  {why}");
     }
     println!(
-        "DHT: {} gets, p50 {:.0} ms, p99 {:.0} ms, {:.1} per peer per minute; routing table p50 {:.0} peers",
-        r.lookups, r.lookup_p50_ms, r.lookup_p99_ms, r.lookups_per_peer_min, r.dht_routing_table_p50
+        "DHT: {} gets, p50 {:.0} ms, p99 {:.0} ms, {:.1} per peer per minute; routing table p50 {:.0} peers; {:.0} connections per peer (median)",
+        r.lookups, r.lookup_p50_ms, r.lookup_p99_ms, r.lookups_per_peer_min, r.dht_routing_table_p50, r.connections_p50
     );
     let groups: Vec<String> = r
         .avg_group_sizes

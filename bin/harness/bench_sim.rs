@@ -75,6 +75,8 @@ pub struct SimOptions {
     /// Peers talk over TCP on 127.0.0.1 (a file descriptor per connection end) instead of
     /// libp2p's in-process memory transport.
     pub tcp: bool,
+    /// Close connections idle this long (default: the peers' own default).
+    pub idle: Option<Duration>,
 }
 
 /// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
@@ -142,6 +144,9 @@ impl Sim {
         net.link = Some(self.links[slot]);
         // Autonat probes of 200 loopback peers are noise: they are all reachable.
         net.probe_interval = Duration::from_secs(3600);
+        if let Some(idle) = self.opts.idle {
+            net.idle_timeout = idle;
+        }
         let stage = if trainer || slot < SEEDS {
             StageChoice::None
         } else {
@@ -494,12 +499,15 @@ async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
     let mut row = SimRow::default();
     let stages = sim.opts.stages;
     let (mut members, mut rounds) = (vec![0u64; stages], vec![0u64; stages]);
-    let mut tables = Vec::new();
+    let (mut tables, mut conns) = (Vec::new(), Vec::new());
     row.placement = vec![0; stages];
     for m in sim.live() {
         row.rebalance_moves += m.peer.moves();
         if let Ok(st) = m.peer.net().status().await {
             tables.push(st.routing_table as f64);
+        }
+        if let Ok(c) = m.peer.net().connections().await {
+            conns.push(c.len() as f64);
         }
         let (Some(s), Some(a)) = (m.peer.stage(), m.peer.avg_stats()) else {
             continue;
@@ -516,6 +524,7 @@ async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
         .map(|s| members[s] as f64 / rounds[s].max(1) as f64)
         .collect();
     row.dht_routing_table_p50 = median(&mut tables);
+    row.connections_p50 = median(&mut conns);
     // Trainers first: their microbatches finish while every replica still serves.
     let (trainer_peers, others): (Vec<Member>, Vec<Member>) = sim
         .members

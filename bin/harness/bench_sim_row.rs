@@ -43,6 +43,8 @@ pub struct SimRow {
     pub avg_rounds: u64,
     pub avg_failed_attempts: u64,
     pub dht_routing_table_p50: f64,
+    /// Established connections per peer at the end, median.
+    pub connections_p50: f64,
     /// Serving replicas per stage at the end.
     pub placement: Vec<usize>,
     pub peak_rss_mib: f64,
@@ -69,6 +71,7 @@ impl SimRow {
             "avg_group_sizes": self.avg_group_sizes, "avg_rounds": self.avg_rounds,
             "avg_failed_attempts": self.avg_failed_attempts,
             "dht_routing_table_p50": self.dht_routing_table_p50,
+            "connections_p50": self.connections_p50,
             "placement": self.placement, "peak_rss_mib": self.peak_rss_mib,
             "rss_per_peer_mib": self.rss_per_peer_mib, "window_s": self.window_s,
         })
