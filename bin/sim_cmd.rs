@@ -35,6 +35,9 @@ pub struct SimArgs {
     /// `ulimit -n` well above 20,000).
     #[arg(long)]
     tcp: bool,
+    /// Samples/s each stage's replicas do together (the sim stages' speed).
+    #[arg(long, default_value_t = bench_sim::SWARM_RATE, value_name = "SAMPLES")]
+    rate: f64,
     /// Close connections idle this many seconds (default: a peer's default, 120).
     #[arg(long, value_name = "SECS")]
     idle_timeout: Option<f64>,
@@ -51,6 +54,12 @@ pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
         || a.warmup < 0.0
     {
         bail!("--stages and --seconds must be positive, --warmup at least 0");
+    }
+    if !(a.rate.is_finite() && a.rate > 0.0) {
+        bail!(
+            "--rate is the samples/s of each stage's replicas together, above 0, not {}",
+            a.rate
+        );
     }
     if !(0.0..=1.0).contains(&a.churn) {
         bail!(
@@ -72,6 +81,7 @@ pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
             .idle_timeout
             .filter(|s| s.is_finite() && *s > 0.0)
             .map(std::time::Duration::from_secs_f64),
+        rate: a.rate,
     };
     let rt = runtime()?;
     let row = rt.block_on(bench_sim::run(opts));

@@ -40,10 +40,10 @@ use std::time::{Duration, Instant};
 /// Seed peers: the bootstrap addresses every other peer is given.
 const SEEDS: usize = 3;
 
-/// Samples/s the whole pipeline is sized for (each stage's replicas together), whatever the
-/// number of peers: the sim stages sleep, but every call costs the shared cores its
-/// streams, encryption and codecs, and 2 cores carry ~100 samples/s of that with room.
-const SWARM_RATE: f64 = 100.0;
+/// Samples/s the whole pipeline is sized for by default (each stage's replicas together),
+/// whatever the number of peers: the sim stages sleep, but every call costs the shared
+/// cores its streams, encryption and codecs, and 2 cores carry ~100 samples/s of that.
+pub const SWARM_RATE: f64 = 100.0;
 
 /// Samples per microbatch.
 const MICROBATCH: usize = 4;
@@ -77,17 +77,19 @@ pub struct SimOptions {
     pub tcp: bool,
     /// Close connections idle this long (default: the peers' own default).
     pub idle: Option<Duration>,
+    /// Samples/s each stage's replicas do together.
+    pub rate: f64,
 }
 
 /// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
-/// together doing [`SWARM_RATE`] samples/s.
-pub fn sim_run(stages: usize, replicas_per_stage: f64) -> RunConfig {
+/// together doing `rate` samples/s.
+pub fn sim_run(stages: usize, replicas_per_stage: f64, rate: f64) -> RunConfig {
     let mut cfg = RunConfig::tiny();
     cfg.model.n_layers = stages.max(1);
     cfg.stages.count = stages;
     cfg.stages.cuts.clear();
     cfg.stages.kind = StageKind::Sim;
-    cfg.stages.sim_ms_per_sample = Some(1e3 * replicas_per_stage / SWARM_RATE);
+    cfg.stages.sim_ms_per_sample = Some(1e3 * replicas_per_stage / rate);
     cfg.training.batch_size = MICROBATCH;
     cfg.training.steps = 1_000_000;
     cfg.training.target_batch_size = Some(TARGET_BATCH);
@@ -343,7 +345,8 @@ pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
     let trainers = (opts.peers / 10).max(2);
     let stage_peers = opts.peers - SEEDS - trainers;
     let per_stage = stage_peers as f64 / opts.stages as f64;
-    let cfg = sim_run(opts.stages, per_stage);
+    let rate = opts.rate;
+    let cfg = sim_run(opts.stages, per_stage, rate);
     cfg.validate().map_err(|e| e.to_string())?;
     let manifest = Manifest::from_config(&cfg).map_err(|e| e.to_string())?;
     let path = opts.dir.join("sim-run.toml");
@@ -352,7 +355,7 @@ pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
     let concurrency = (IN_FLIGHT_PER_REPLICA * stage_peers).div_ceil(trainers);
     let mut sim = Sim {
         rng: Rng::new(opts.seed),
-        replica_rate: SWARM_RATE / per_stage,
+        replica_rate: rate / per_stage,
         concurrency,
         opts,
         manifest,
