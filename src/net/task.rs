@@ -28,18 +28,14 @@ pub(super) const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
 
 /// A record get ends once it found this many valid copies: the walk to the closest peers
 /// would only find more copies of the same record (in a 200-peer swarm it took 3–15× longer
-/// and as many more messages). Callers take the freshest of what came.
+/// and as many more messages). Callers take the freshest of what came. A provider get, unlike
+/// it, walks to the end: each peer may hold a different subset of the providers (stopping
+/// after 3 answering peers left 8-peer swarms missing one for good).
 const ENOUGH_RECORDS: usize = 3;
 
-/// A provider get ends once this many peers answered with providers: each of the peers
-/// closest to the key holds every provider record that reached it, and the rest of the
-/// walk waited on the slowest of them (a stage key of a 200-peer swarm is one of a few
-/// hot keys, and its walks ran into the 10 s query timeout).
-const ENOUGH_PROVIDER_REPLIES: usize = 3;
 pub(super) enum Pending {
     GetRecord(Vec<Vec<u8>>, oneshot::Sender<Vec<Vec<u8>>>),
-    /// Providers found so far, and how many peers answered with some.
-    GetProviders(HashSet<PeerId>, usize, oneshot::Sender<HashSet<PeerId>>),
+    GetProviders(HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>),
     Put(oneshot::Sender<Result<(), NetError>>),
     /// Looking for relays; the providers found are looked up and dialled.
     Relays,
@@ -249,7 +245,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
                 .kad
                 .get_providers(kad::RecordKey::new(&key));
             st.queries
-                .insert(q, Pending::GetProviders(HashSet::new(), 0, reply));
+                .insert(q, Pending::GetProviders(HashSet::new(), reply));
         }
         Command::Bootstrap => {
             if let Err(e) = swarm.behaviour_mut().kad.bootstrap() {
@@ -463,25 +459,14 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                         st.queries.insert(id, Pending::GetRecord(found, reply));
                     }
                 }
-                (
-                    Pending::GetProviders(mut found, replies, reply),
-                    QueryResult::GetProviders(r),
-                ) => {
-                    let mut replies = replies;
+                (Pending::GetProviders(mut found, reply), QueryResult::GetProviders(r)) => {
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = r {
                         found.extend(providers);
-                        replies += 1;
                     }
-                    if step.last || replies >= ENOUGH_PROVIDER_REPLIES {
-                        if !step.last {
-                            if let Some(mut q) = swarm.behaviour_mut().kad.query_mut(&id) {
-                                q.finish();
-                            }
-                        }
+                    if step.last {
                         let _ = reply.send(found);
                     } else {
-                        st.queries
-                            .insert(id, Pending::GetProviders(found, replies, reply));
+                        st.queries.insert(id, Pending::GetProviders(found, reply));
                     }
                 }
                 (Pending::Relays, QueryResult::GetProviders(r)) => {
