@@ -96,6 +96,15 @@ async fn swarm_with(
     }
 }
 
+/// Stops the trainers' peer `t`, then every replica, then the bootstrap peer.
+async fn stop_all(t: Peer, s: Swarm) {
+    t.stop().await.unwrap();
+    for p in s.peers {
+        p.stop().await.unwrap();
+    }
+    s.boot.stop().await.unwrap();
+}
+
 async fn trainers(s: &Swarm, n: usize, microbatches: u64) -> Peer {
     trainers_for(&s.m, &s.addr, n, microbatches).await
 }
@@ -382,11 +391,7 @@ async fn three_stages_two_replicas_two_trainers_match_the_local_run() {
         100.0 * rel,
         local.eval_loss
     );
-    t.stop().await.unwrap();
-    for p in s.peers {
-        p.stop().await.unwrap();
-    }
-    s.boot.stop().await.unwrap();
+    stop_all(t, s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -421,11 +426,7 @@ async fn a_subspace_run_trains_in_the_swarm_as_it_does_locally() {
         "swarm {swarm_loss:.4} vs local {:.4}",
         local.eval_loss
     );
-    t.stop().await.unwrap();
-    for p in s.peers {
-        p.stop().await.unwrap();
-    }
-    s.boot.stop().await.unwrap();
+    stop_all(t, s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -456,11 +457,7 @@ async fn trainers_that_never_wait_keep_replicas_identical_and_gradients_one_step
     }
     // The overlap did happen: some gradient went into the step after its parameters'.
     assert!(stale > 0, "no gradient was computed during a round");
-    t.stop().await.unwrap();
-    for p in s.peers {
-        p.stop().await.unwrap();
-    }
-    s.boot.stop().await.unwrap();
+    stop_all(t, s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -518,11 +515,7 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
     let loss = eval(&s).await;
     eprintln!("churn: eval loss {loss:.4}");
     assert!(loss < 2.2, "training did not continue: eval loss {loss:.4}");
-    t.stop().await.unwrap();
-    for p in s.peers {
-        p.stop().await.unwrap();
-    }
-    s.boot.stop().await.unwrap();
+    stop_all(t, s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -592,11 +585,7 @@ async fn an_outer_run_loses_no_sample_to_a_replica_killed_mid_interval() {
     let loss = eval(&s).await;
     eprintln!("outer churn: eval loss {loss:.4}");
     assert!(loss < 2.3, "training did not go on: eval loss {loss:.4}");
-    t.stop().await.unwrap();
-    for p in s.peers {
-        p.stop().await.unwrap();
-    }
-    s.boot.stop().await.unwrap();
+    stop_all(t, s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

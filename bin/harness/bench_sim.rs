@@ -326,12 +326,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    shoal::swarm::events::rss_bytes().map_or(0.0, |b| b as f64 / 1048576.0)
 }
 
 /// Runs the sim swarm and measures it.

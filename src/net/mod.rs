@@ -322,8 +322,13 @@ impl NetHandle {
     /// Valid, unexpired values found under `key` (possibly several versions; the walk ends
     /// after a few).
     pub async fn get_record(&self, key: Vec<u8>) -> Result<Vec<Vec<u8>>, NetError> {
+        self.timed(self.ask(|r| Command::GetRecord(key, r))).await
+    }
+
+    /// `lookup`, its duration counted in [`Self::lookups`].
+    async fn timed<T>(&self, lookup: impl std::future::Future<Output = T>) -> T {
         let t0 = std::time::Instant::now();
-        let out = self.ask(|r| Command::GetRecord(key, r)).await;
+        let out = lookup.await;
         self.lookups.record(t0.elapsed());
         out
     }
@@ -350,10 +355,8 @@ impl NetHandle {
 
     /// The providers of `key` found in the DHT.
     pub async fn get_providers(&self, key: Vec<u8>) -> Result<HashSet<PeerId>, NetError> {
-        let t0 = std::time::Instant::now();
-        let out = self.ask(|r| Command::GetProviders(key, r)).await;
-        self.lookups.record(t0.elapsed());
-        out
+        self.timed(self.ask(|r| Command::GetProviders(key, r)))
+            .await
     }
 
     /// Starts a DHT bootstrap (refreshes the routing table).

@@ -107,7 +107,10 @@ impl Ctx {
         let me = self.net.local_peer_id().to_string();
         let how = registry::Reading {
             cache: None,
-            sample: Some((LIVE_SAMPLE, crate::rng::derive_seed(0, &me) ^ now_nanos())),
+            sample: Some((
+                LIVE_SAMPLE,
+                crate::rng::derive_seed(crate::dht::now_ms(), &me),
+            )),
         };
         let read = futures::future::join_all(
             (0..count).map(|s| registry::read_stage_counted(&self.net, &self.manifest.id, s, &how)),
@@ -454,12 +457,6 @@ impl Ctx {
 
 /// Providers of each stage a joining or rebalancing peer reads and calls, at most.
 const LIVE_SAMPLE: usize = 16;
-
-fn now_nanos() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
 
 /// How soon a peer checks for an empty stage after it starts serving, and again while one
 /// is empty and another stage has a replica to spare (randomised ×0.5–1.5).
