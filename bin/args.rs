@@ -371,7 +371,9 @@ impl TryFrom<&PeerArgs> for PeerConfig {
         let mut netcfg = net_config(&a.net, identity, listen)?;
         netcfg.relay_server = a.relay_server;
         let ttl = Duration::from_secs(a.announce_ttl);
-        netcfg.provider_ttl = ttl.max(Duration::from_secs(5));
+        // Providers outlive announcements (a reader tells a live replica by its
+        // announcement); republished every third of it.
+        netcfg.provider_ttl = (ttl * 3).max(Duration::from_secs(5));
         let mut cfg = PeerConfig::new(run, netcfg, bootstrap, stage);
         cfg.device = device;
         cfg.device_name = a.device.clone();

@@ -133,6 +133,15 @@ fn print_row(r: &SimRow) {
         "DHT: {} gets, p50 {:.0} ms, p99 {:.0} ms, {:.1} per peer per minute; routing table p50 {:.0} peers; {:.0} connections per peer (median)",
         r.lookups, r.lookup_p50_ms, r.lookup_p99_ms, r.lookups_per_peer_min, r.dht_routing_table_p50, r.connections_p50
     );
+    let served: Vec<String> = r
+        .dht_served_per_peer_min
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.0}"))
+        .collect();
+    println!(
+        "DHT requests answered per peer per minute: {}",
+        served.join(", ")
+    );
     let groups: Vec<String> = r
         .avg_group_sizes
         .iter()

@@ -482,7 +482,13 @@ async fn measure(
     row.lookups = lookups.count();
     row.lookup_p50_ms = lookups.quantile_ms(0.5);
     row.lookup_p99_ms = lookups.quantile_ms(0.99);
-    row.lookups_per_peer_min = lookups.count() as f64 / sim.opts.peers as f64 / (window_s / 60.0);
+    let per_peer_min = |n: u64| n as f64 / sim.opts.peers as f64 / (window_s / 60.0);
+    row.lookups_per_peer_min = per_peer_min(lookups.count());
+    row.dht_served_per_peer_min = shoal::net::stats::SERVED_KINDS
+        .iter()
+        .zip(&lookups.served)
+        .map(|(k, n)| (k.to_string(), per_peer_min(*n)))
+        .collect();
     row.left = sim.left;
     row.killed = sim.killed;
     row.window_s = window_s;

@@ -37,6 +37,8 @@ pub struct SimRow {
     pub lookup_p99_ms: f64,
     /// DHT gets per peer per minute in the window.
     pub lookups_per_peer_min: f64,
+    /// DHT requests each peer answered per minute in the window, by kind.
+    pub dht_served_per_peer_min: Vec<(String, f64)>,
     pub rebalance_moves: u64,
     /// Mean members per averaging round, per stage.
     pub avg_group_sizes: Vec<f64>,
@@ -67,6 +69,7 @@ impl SimRow {
             "killed": self.killed, "lookups": self.lookups,
             "lookup_p50_ms": self.lookup_p50_ms, "lookup_p99_ms": self.lookup_p99_ms,
             "lookups_per_peer_min": self.lookups_per_peer_min,
+            "dht_served_per_peer_min": self.dht_served_per_peer_min.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
             "rebalance_moves": self.rebalance_moves,
             "avg_group_sizes": self.avg_group_sizes, "avg_rounds": self.avg_rounds,
             "avg_failed_attempts": self.avg_failed_attempts,

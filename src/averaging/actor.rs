@@ -100,7 +100,8 @@ impl State {
         let mut next_membership = Instant::now();
         // One DHT lookup of the stage's replicas at a time.
         let mut lookup: Option<tokio::task::JoinHandle<()>> = None;
-        let how = registry::Reading::cached(&registry::AnnCache::new(super::MEMBERSHIP_MAX_AGE));
+        let cache = registry::AnnCache::new(super::MEMBERSHIP_MAX_AGE)
+            .missing_for(super::MEMBERSHIP_MAX_AGE / 10);
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
@@ -113,8 +114,8 @@ impl State {
                     None => return,
                 },
                 Some(peers) = mrx.recv() => {
-                    // The stage's replicas are those announced now: a replica that died
-                    // without a word drops out when its announcement expires (else
+                    // The stage's replicas are its providers now: a replica that died
+                    // without a word drops out when its provider record expires (else
                     // heartbeats went to it for ever, a failed dial each).
                     self.looked_up = true;
                     self.known.retain(|k| peers.iter().any(|(p, _)| p == k));
@@ -143,6 +144,9 @@ impl State {
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
             self.cfg = self.base_cfg.fitted(self.known.len());
+            self.stats
+                .mates
+                .store(self.known.len() as u64, Ordering::Relaxed);
             if self.left {
                 // Gone from the stage: answer nothing, start nothing.
                 continue;
@@ -152,18 +156,11 @@ impl State {
                 next_membership = Instant::now() + self.cfg.membership_every;
                 let net = self.client.net().clone();
                 let (run, stage, tx) = (self.client.run().to_string(), self.stage, mtx.clone());
-                let how = how.clone();
+                let (cache, heard) = (cache.clone(), self.views.keys().copied().collect());
                 lookup = Some(tokio::spawn(async move {
-                    if let Ok(anns) = registry::read_stage_with(&net, &run, stage, &how).await {
-                        let peers = anns
-                            .into_iter()
-                            .filter_map(|a| {
-                                let p: PeerId = a.peer.parse().ok()?;
-                                let addrs = a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
-                                Some((p, addrs))
-                            })
-                            .collect();
-                        let _ = tx.try_send(peers);
+                    if let Ok(m) = registry::stage_members(&net, &run, stage, &heard, &cache).await
+                    {
+                        let _ = tx.try_send(m);
                     }
                 }));
             }

@@ -105,6 +105,11 @@ pub struct NetConfig {
 }
 
 impl NetConfig {
+    /// How long provider records live by default: republished every third of it, a walk
+    /// and twenty stores for each key a peer provides. Readers tell a live replica by its
+    /// announcement, which expires sooner; a dead provider only costs them one miss.
+    pub const PROVIDER_TTL: Duration = Duration::from_secs(180);
+
     /// Defaults for a peer with `identity` listening on `listen`.
     pub fn new(identity: Keypair, listen: Vec<Multiaddr>) -> Self {
         Self {
@@ -115,7 +120,7 @@ impl NetConfig {
             dht_server: true,
             probe_interval: Duration::from_secs(1),
             wire: crate::wire::msg::MSG_VERSION,
-            provider_ttl: Duration::from_secs(60),
+            provider_ttl: Self::PROVIDER_TTL,
             idle_timeout: Duration::from_secs(120),
             max_connections: 512,
             link: None,
@@ -164,7 +169,7 @@ pub struct NetHandle {
     /// The peer's identity key: signs the records it publishes about itself.
     identity: Keypair,
     events: tokio::sync::broadcast::Sender<reach::NetEvent>,
-    /// Durations of this peer's DHT gets.
+    /// Durations of this peer's DHT gets, and the DHT requests it answered.
     lookups: std::sync::Arc<stats::LookupStats>,
 }
 
@@ -205,11 +210,13 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
     let local = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(64);
     let (events, _) = tokio::sync::broadcast::channel(256);
+    let lookups = std::sync::Arc::new(stats::LookupStats::default());
     tokio::spawn(tracing::Instrument::in_current_span(task::run(
         swarm,
         rx,
         (cfg.relay_server, cfg.dht_server, cfg.wire),
         events.clone(),
+        std::sync::Arc::clone(&lookups),
     )));
     Ok(NetHandle {
         tx,
@@ -217,7 +224,7 @@ pub fn start(cfg: NetConfig) -> Result<NetHandle, NetError> {
         local,
         identity: cfg.identity.clone(),
         events,
-        lookups: Default::default(),
+        lookups,
     })
 }
 

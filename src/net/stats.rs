@@ -1,7 +1,8 @@
 //! How long this peer's DHT lookups took: a fixed log-scale histogram of the durations of
-//! record and provider gets, shared by every clone of a [`super::NetHandle`]. Benchmarks
-//! of large swarms read its quantiles (`shoal bench sim`'s `lookup_p99_ms`); its memory is
-//! fixed whatever the number of lookups.
+//! record and provider gets, shared by every clone of a [`super::NetHandle`], and how many
+//! DHT requests of each kind the peer answered. Benchmarks of large swarms read its
+//! quantiles (`shoal bench sim`'s `lookup_p99_ms`) and rates; its memory is fixed whatever
+//! the number of lookups.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
@@ -12,11 +13,21 @@ const BUCKETS: usize = 64;
 const FIRST_MS: f64 = 0.5;
 const GROWTH: f64 = 1.25;
 
-/// Durations of DHT lookups.
+/// The kinds of DHT requests a peer answers, in [`LookupCounts::served`]'s order.
+pub const SERVED_KINDS: [&str; 5] = [
+    "find_node",
+    "get_providers",
+    "add_provider",
+    "get_record",
+    "put_record",
+];
+
+/// Durations of DHT lookups, and requests answered.
 #[derive(Debug)]
 pub struct LookupStats {
     counts: [AtomicU64; BUCKETS],
     total_us: AtomicU64,
+    served: [AtomicU64; SERVED_KINDS.len()],
 }
 
 impl Default for LookupStats {
@@ -24,6 +35,7 @@ impl Default for LookupStats {
         Self {
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
             total_us: AtomicU64::new(0),
+            served: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
@@ -44,12 +56,26 @@ impl LookupStats {
         self.total_us.fetch_add(d.as_micros() as u64, Relaxed);
     }
 
+    /// Counts one DHT request this peer answers, by kind.
+    pub fn served(&self, r: &libp2p::kad::InboundRequest) {
+        use libp2p::kad::InboundRequest as R;
+        let i = match r {
+            R::FindNode { .. } => 0,
+            R::GetProvider { .. } => 1,
+            R::AddProvider { .. } => 2,
+            R::GetRecord { .. } => 3,
+            R::PutRecord { .. } => 4,
+        };
+        self.served[i].fetch_add(1, Relaxed);
+    }
+
     /// The counts so far, to be subtracted from a later reading or summed with other
     /// peers' ([`LookupCounts`]).
     pub fn snapshot(&self) -> LookupCounts {
         LookupCounts {
             counts: self.counts.iter().map(|c| c.load(Relaxed)).collect(),
             total_us: self.total_us.load(Relaxed),
+            served: self.served.iter().map(|c| c.load(Relaxed)).collect(),
         }
     }
 }
@@ -59,6 +85,8 @@ impl LookupStats {
 pub struct LookupCounts {
     counts: Vec<u64>,
     total_us: u64,
+    /// DHT requests answered, by kind ([`SERVED_KINDS`]).
+    pub served: Vec<u64>,
 }
 
 impl LookupCounts {
@@ -68,6 +96,12 @@ impl LookupCounts {
             self.counts.resize(o.counts.len(), 0);
         }
         for (a, b) in self.counts.iter_mut().zip(&o.counts) {
+            *a += b;
+        }
+        if self.served.len() < o.served.len() {
+            self.served.resize(o.served.len(), 0);
+        }
+        for (a, b) in self.served.iter_mut().zip(&o.served) {
             *a += b;
         }
         self.total_us += o.total_us;
@@ -83,6 +117,12 @@ impl LookupCounts {
                 .map(|(i, c)| c.saturating_sub(earlier.counts.get(i).copied().unwrap_or(0)))
                 .collect(),
             total_us: self.total_us.saturating_sub(earlier.total_us),
+            served: self
+                .served
+                .iter()
+                .enumerate()
+                .map(|(i, c)| c.saturating_sub(earlier.served.get(i).copied().unwrap_or(0)))
+                .collect(),
         }
     }
 

@@ -67,6 +67,8 @@ pub(super) struct State {
     /// Refused peers to disconnect once [`REFUSE_GRACE`] passed (so that they receive our
     /// identify too, and say why on their side).
     pub(super) to_disconnect: Vec<(PeerId, Instant)>,
+    /// Where the DHT requests this peer answers are counted.
+    pub(super) lookups: std::sync::Arc<super::stats::LookupStats>,
 }
 
 pub(crate) async fn run(
@@ -74,6 +76,7 @@ pub(crate) async fn run(
     mut rx: mpsc::Receiver<Command>,
     (relay_server, dht_server, wire): (bool, bool, u8),
     events: broadcast::Sender<NetEvent>,
+    lookups: std::sync::Arc<super::stats::LookupStats>,
 ) {
     let mut st = State {
         listen: Vec::new(),
@@ -92,6 +95,7 @@ pub(crate) async fn run(
         last_relay_search: None,
         first_observed: None,
         to_disconnect: Vec::new(),
+        lookups,
     };
     if st.relay_server {
         // Private peers find relays as providers of this key.
@@ -402,34 +406,48 @@ fn count_forged(st: &mut State, e: &dht::RecordError) {
     }
 }
 
+/// Stores what a valid inbound put or provider announcement carries (records are filtered:
+/// each is checked before it is kept).
+fn on_request(
+    swarm: &mut Swarm<Behaviour>,
+    st: &mut State,
+    request: kad::InboundRequest,
+    now: u64,
+) {
+    match request {
+        kad::InboundRequest::PutRecord {
+            source,
+            record: Some(record),
+            ..
+        } => match dht::validate(record.key.as_ref(), &record.value, now) {
+            Ok(()) => {
+                if let Err(e) = swarm.behaviour_mut().kad.store_mut().put(record) {
+                    tracing::warn!(target: "shoal::net", %source, "cannot store a record: {e:?}");
+                }
+            }
+            Err(e) => {
+                count_forged(st, &e);
+                tracing::debug!(target: "shoal::net", %source, "refused a record: {e}");
+            }
+        },
+        kad::InboundRequest::AddProvider {
+            record: Some(record),
+        } if dht::record::is_provider_key(record.key.as_ref()) => {
+            if let Err(e) = swarm.behaviour_mut().kad.store_mut().add_provider(record) {
+                tracing::warn!(target: "shoal::net", "cannot store a provider record: {e:?}");
+            }
+        }
+        _ => {}
+    }
+}
+
 fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
     let now = dht::now_ms();
     match event {
-        kad::Event::InboundRequest { request } => match request {
-            kad::InboundRequest::PutRecord {
-                source,
-                record: Some(record),
-                ..
-            } => match dht::validate(record.key.as_ref(), &record.value, now) {
-                Ok(()) => {
-                    if let Err(e) = swarm.behaviour_mut().kad.store_mut().put(record) {
-                        tracing::warn!(target: "shoal::net", %source, "cannot store a record: {e:?}");
-                    }
-                }
-                Err(e) => {
-                    count_forged(st, &e);
-                    tracing::debug!(target: "shoal::net", %source, "refused a record: {e}");
-                }
-            },
-            kad::InboundRequest::AddProvider {
-                record: Some(record),
-            } if dht::record::is_provider_key(record.key.as_ref()) => {
-                if let Err(e) = swarm.behaviour_mut().kad.store_mut().add_provider(record) {
-                    tracing::warn!(target: "shoal::net", "cannot store a provider record: {e:?}");
-                }
-            }
-            _ => {}
-        },
+        kad::Event::InboundRequest { request } => {
+            st.lookups.served(&request);
+            on_request(swarm, st, request, now);
+        }
         kad::Event::OutboundQueryProgressed {
             id, result, step, ..
         } => {

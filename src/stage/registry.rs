@@ -177,12 +177,41 @@ pub async fn read_stage_counted(
         }
     }
     let mut anns = match &how.cache {
-        Some(c) => c.read(net, stage, peers).await,
+        Some(c) => c.read(net, peers).await,
         None => read_peers(net, peers).await,
     };
     anns.retain(|a| a.run == run && a.stage as usize == stage);
     anns.sort_by(|a, b| a.peer.cmp(&b.peer));
     Ok((anns, total))
+}
+
+/// The replicas of `stage`: its providers that are in `heard` (replicas whose own
+/// messages reached the reader: a connection to them exists, and their record need not be
+/// read) or have a live announcement (read through `cache`), each with the addresses that
+/// gives. A provider that died drops out once its announcement expires and it is not
+/// heard from; an averager reads its stage mates' records about once, when they join.
+pub async fn stage_members(
+    net: &NetHandle,
+    run: &str,
+    stage: usize,
+    heard: &std::collections::HashSet<PeerId>,
+    cache: &AnnCache,
+) -> Result<Vec<(PeerId, Vec<libp2p::Multiaddr>)>, NetError> {
+    let providers = net
+        .get_providers(dht::stage_key(run, stage).into_bytes())
+        .await?;
+    let unheard = providers.iter().filter(|p| !heard.contains(p)).copied();
+    let anns = cache.read(net, unheard.collect()).await;
+    Ok(providers
+        .into_iter()
+        .filter_map(|p| {
+            let id = p.to_string();
+            match anns.iter().find(|a| a.peer == id) {
+                Some(a) => Some((p, a.addrs.iter().filter_map(|x| x.parse().ok()).collect())),
+                None => heard.contains(&p).then(|| (p, Vec::new())),
+            }
+        })
+        .collect())
 }
 
 /// The live announcements of every stage of a run, indexed by stage.
@@ -207,42 +236,69 @@ pub async fn read_run_with(
 
 /// Announcements read lately, by peer. A reader that re-reads its stages every second
 /// (a trainer's routing table, an averager's membership) fetches a replica's record again
-/// only once its copy is `max_age` old, whether or not the copy has expired: in a swarm of
-/// 200 the trainers' refreshes were otherwise ~180 record lookups a second each. The
-/// providers are read every time and a copy is kept only while its peer provides the
-/// stage, so a replica that withdrew drops out at once (one that died, when its provider
-/// record expires), and a new one is read at once.
+/// only once its copy is `max_age` old or has expired: in a swarm of 200 the trainers'
+/// refreshes were otherwise ~180 record lookups a second each. A peer
+/// whose record was not found is not looked up again for [`MISS_AGE`]. The providers are
+/// read every time and only theirs are returned, so a replica that withdrew drops out at
+/// once (one that died, when its provider record expires), and a new one is read at once.
+/// A copy stays cached while its peer is missing from a walk's providers: under load a
+/// walk returns a part of them (at 200 peers, averagers dropping and re-reading the rest
+/// were 3,000 record lookups a second).
 #[derive(Debug, Clone)]
 pub struct AnnCache {
     max_age: Duration,
-    inner: std::sync::Arc<
-        parking_lot::Mutex<std::collections::HashMap<PeerId, (Announcement, tokio::time::Instant)>>,
-    >,
+    miss_age: Duration,
+    inner: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Cached>>>,
 }
 
+/// A peer's announcement as last read (`None`: not found), and when.
+type Cached = (Option<Announcement>, tokio::time::Instant);
+
+/// How long a peer whose announcement was not found is not looked up again (its record may
+/// not have spread yet, so not long).
+pub const MISS_AGE: Duration = Duration::from_secs(15);
+
+/// Peers an [`AnnCache`] remembers at most (emptied past it).
+const CACHED_PEERS: usize = 8192;
+
 impl AnnCache {
-    /// Copies are reused for `max_age`.
+    /// Copies are reused for `max_age`; a peer not found is looked up again after
+    /// [`MISS_AGE`] (or `max_age` if shorter).
     pub fn new(max_age: Duration) -> Self {
         Self {
             max_age,
+            miss_age: MISS_AGE.min(max_age),
             inner: Default::default(),
         }
     }
 
-    /// The announcements of `peers`, the providers of `stage` now.
-    async fn read(&self, net: &NetHandle, stage: usize, peers: Vec<PeerId>) -> Vec<Announcement> {
+    /// A peer not found is looked up again after `d`.
+    pub fn missing_for(mut self, d: Duration) -> Self {
+        self.miss_age = d;
+        self
+    }
+
+    /// The announcements of `peers` (providers of a stage now).
+    async fn read(&self, net: &NetHandle, peers: Vec<PeerId>) -> Vec<Announcement> {
         let now = tokio::time::Instant::now();
         let mut out = Vec::with_capacity(peers.len());
         let mut stale = Vec::new();
         {
             let mut map = self.inner.lock();
-            map.retain(|p, (a, at)| {
-                now.duration_since(*at) < self.max_age
-                    && (a.stage as usize != stage || peers.contains(p))
+            let now_ms = dht::now_ms();
+            map.retain(|_, (a, at)| {
+                let age = now.duration_since(*at);
+                match a {
+                    Some(a) => age < self.max_age && a.expires_ms > now_ms,
+                    None => age < self.miss_age,
+                }
             });
+            if map.len() > CACHED_PEERS {
+                map.clear();
+            }
             for p in peers {
                 match map.get(&p) {
-                    Some((a, _)) => out.push(a.clone()),
+                    Some((a, _)) => out.extend(a.clone()),
                     None => stale.push(p),
                 }
             }
@@ -255,10 +311,8 @@ impl AnnCache {
         .await;
         let mut map = self.inner.lock();
         for (p, a) in fetched {
-            if let Some(a) = a {
-                map.insert(p, (a.clone(), now));
-                out.push(a);
-            }
+            out.extend(a.clone());
+            map.insert(p, (a, now));
         }
         out
     }

@@ -325,6 +325,7 @@ impl Peer {
             last: Arc::new(Mutex::new(None)),
             emit,
             departed: Mutex::new(Vec::new()),
+            anns: crate::stage::registry::AnnCache::new(super::serving::LIVE_MAX_AGE),
         });
         let live = match cfg.stage {
             StageChoice::None => select::Sampled::default(),

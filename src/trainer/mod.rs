@@ -124,9 +124,15 @@ struct Ctx {
 }
 
 /// How long a trainer reuses a replica's announcement before reading it again: the
-/// providers are read at every refresh, so only a replica's announced throughput, queue
-/// and step age (the trainer measures the first two itself once it calls the replica).
-const ANNOUNCEMENT_MAX_AGE: Duration = Duration::from_secs(60);
+/// providers are read at every refresh, so only a replica's announced throughput, queue,
+/// step and ban notes age (the trainer measures the first two itself once it calls the
+/// replica). Each read is a DHT walk: at 60 s, with a miss read again after 15 s, 20
+/// trainers of a swarm of 200 were ~250 walks a second, more than its DHT could answer.
+const ANNOUNCEMENT_MAX_AGE: Duration = Duration::from_secs(180);
+
+/// How long a trainer waits before looking again for a replica whose announcement was not
+/// found (its record may not have spread yet).
+const ANNOUNCEMENT_MISSING: Duration = Duration::from_secs(60);
 
 /// A running trainer loop.
 pub struct Trainer {
@@ -180,7 +186,8 @@ impl Trainer {
             total_steps: m.config.training.steps,
             target: m.config.target_batch_size(),
             table: Mutex::new(vec![Vec::new(); stages]),
-            anns: crate::stage::registry::AnnCache::new(ANNOUNCEMENT_MAX_AGE),
+            anns: crate::stage::registry::AnnCache::new(ANNOUNCEMENT_MAX_AGE)
+                .missing_for(ANNOUNCEMENT_MISSING),
             stats: Arc::clone(&stats),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             turns: (0..stages)

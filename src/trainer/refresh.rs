@@ -15,16 +15,20 @@ use std::sync::atomic::Ordering;
 const SETTLED_SLOWDOWN: u32 = 5;
 /// Replicas per stage from which the trainer's table counts as settled.
 const SETTLED_REPLICAS: usize = 2;
+/// With this many replicas in every stage a refresh comes [`CROWDED_SLOWDOWN`] times less
+/// often than `refresh`: a replica joining a crowded stage adds little, and the trainer
+/// learns of it within 20 s.
+const CROWDED_REPLICAS: usize = 8;
+/// See [`CROWDED_REPLICAS`].
+const CROWDED_SLOWDOWN: u32 = 20;
 
-/// How long until the next refresh: `cfg.refresh`, or [`SETTLED_SLOWDOWN`] times it once
-/// every stage has enough replicas in the table.
+/// How long until the next refresh: `cfg.refresh`, or [`SETTLED_SLOWDOWN`] (then
+/// [`CROWDED_SLOWDOWN`]) times it once every stage has enough replicas in the table.
 pub(super) fn period(ctx: &Ctx) -> std::time::Duration {
-    let settled = ctx
-        .table
-        .lock()
-        .iter()
-        .all(|row| row.len() >= SETTLED_REPLICAS);
-    if settled {
+    let fewest = ctx.table.lock().iter().map(Vec::len).min().unwrap_or(0);
+    if fewest >= CROWDED_REPLICAS {
+        ctx.cfg.refresh * CROWDED_SLOWDOWN
+    } else if fewest >= SETTLED_REPLICAS {
         ctx.cfg.refresh * SETTLED_SLOWDOWN
     } else {
         ctx.cfg.refresh
