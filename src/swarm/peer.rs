@@ -16,7 +16,8 @@
 use super::events::{Event, Observer};
 use super::join::rejoin_loop;
 pub use super::join::{join, BOOTSTRAP_PATIENCE, REJOIN_EVERY};
-use super::serving::{rebalance_loop, Ctx, Slot};
+use super::rebalance::rebalance_loop;
+use super::serving::{Ctx, Slot};
 use crate::averaging::sync::{SyncError, SyncReport};
 use crate::averaging::AvgStats;
 use crate::config::StageKind;
