@@ -28,7 +28,8 @@ pub(super) const IDENTIFY_WAIT: Duration = Duration::from_secs(5);
 
 /// A record get ends once it found this many valid copies: the walk to the closest peers
 /// would only find more copies of the same record (in a 200-peer swarm it took 3–15× longer
-/// and as many more messages). Callers take the freshest of what came. A provider get, unlike
+/// and as many more messages). Callers take the freshest of what came; a manifest get ends
+/// at its first valid copy (every valid copy is the same). A provider get, unlike
 /// it, walks to the end: each peer may hold a different subset of the providers (stopping
 /// after 3 answering peers left 8-peer swarms missing one for good).
 const ENOUGH_RECORDS: usize = 3;
@@ -456,7 +457,14 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
             };
             match (pending, result) {
                 (Pending::GetRecord(mut found, reply), QueryResult::GetRecord(r)) => {
+                    let mut enough = ENOUGH_RECORDS;
                     if let Ok(GetRecordOk::FoundRecord(pr)) = r {
+                        // A manifest is named by its hash: any valid copy is the copy.
+                        if let Ok(dht::record::KeyKind::Manifest(_)) =
+                            dht::record::parse_key(pr.record.key.as_ref())
+                        {
+                            enough = 1;
+                        }
                         match dht::validate(pr.record.key.as_ref(), &pr.record.value, now) {
                             Ok(()) => found.push(pr.record.value),
                             Err(e) => {
@@ -465,7 +473,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                             }
                         }
                     }
-                    if step.last || found.len() >= ENOUGH_RECORDS {
+                    if step.last || found.len() >= enough {
                         if !step.last {
                             // The rest of the walk would only find more copies.
                             if let Some(mut q) = swarm.behaviour_mut().kad.query_mut(&id) {
