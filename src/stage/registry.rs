@@ -207,6 +207,9 @@ pub async fn stage_members(
         .filter_map(|p| {
             let id = p.to_string();
             match anns.iter().find(|a| a.peer == id) {
+                // A replica that moved away still has provider records here until they
+                // expire; its announcement says where it went.
+                Some(a) if a.run != run || a.stage as usize != stage => None,
                 Some(a) => Some((p, a.addrs.iter().filter_map(|x| x.parse().ok()).collect())),
                 None => heard.contains(&p).then(|| (p, Vec::new())),
             }
