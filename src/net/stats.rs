@@ -80,6 +80,24 @@ impl LookupStats {
     }
 }
 
+/// Adds `b` into `a` element by element (`a` grown to `b`'s length).
+fn add_into(a: &mut Vec<u64>, b: &[u64]) {
+    if a.len() < b.len() {
+        a.resize(b.len(), 0);
+    }
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
+}
+
+/// `a − b` element by element, at least 0 (`b` missing counts as 0).
+fn minus(a: &[u64], b: &[u64]) -> Vec<u64> {
+    a.iter()
+        .enumerate()
+        .map(|(i, c)| c.saturating_sub(b.get(i).copied().unwrap_or(0)))
+        .collect()
+}
+
 /// A reading of [`LookupStats`], or several peers' summed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LookupCounts {
@@ -92,37 +110,17 @@ pub struct LookupCounts {
 impl LookupCounts {
     /// Adds another reading (another peer's).
     pub fn add(&mut self, o: &Self) {
-        if self.counts.len() < o.counts.len() {
-            self.counts.resize(o.counts.len(), 0);
-        }
-        for (a, b) in self.counts.iter_mut().zip(&o.counts) {
-            *a += b;
-        }
-        if self.served.len() < o.served.len() {
-            self.served.resize(o.served.len(), 0);
-        }
-        for (a, b) in self.served.iter_mut().zip(&o.served) {
-            *a += b;
-        }
+        add_into(&mut self.counts, &o.counts);
+        add_into(&mut self.served, &o.served);
         self.total_us += o.total_us;
     }
 
     /// What happened since `earlier` (a reading of the same peers).
     pub fn since(&self, earlier: &Self) -> Self {
         Self {
-            counts: self
-                .counts
-                .iter()
-                .enumerate()
-                .map(|(i, c)| c.saturating_sub(earlier.counts.get(i).copied().unwrap_or(0)))
-                .collect(),
+            counts: minus(&self.counts, &earlier.counts),
             total_us: self.total_us.saturating_sub(earlier.total_us),
-            served: self
-                .served
-                .iter()
-                .enumerate()
-                .map(|(i, c)| c.saturating_sub(earlier.served.get(i).copied().unwrap_or(0)))
-                .collect(),
+            served: minus(&self.served, &earlier.served),
         }
     }
 
