@@ -100,6 +100,10 @@ fn avg_msgs() -> Vec<AvgMsg> {
             lost: 3,
             ahead: 1,
         },
+        AvgMsg::Mates {
+            peers: vec!["a".into(), "b".into()],
+            addrs: vec![vec!["/memory/7".into()], Vec::new()],
+        },
         AvgMsg::Members {
             step: 4,
             attempt: 9,

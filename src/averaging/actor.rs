@@ -58,6 +58,8 @@ pub(super) struct State {
     pub(super) step: Arc<AtomicU64>,
     pub(super) views: HashMap<PeerId, View>,
     pub(super) known: Vec<PeerId>,
+    /// Mates other replicas introduced, and when ([`super::mates`]).
+    pub(super) introduced: HashMap<PeerId, Instant>,
     pub(super) round: Option<Round>,
     /// What this replica received for its running round.
     pub(super) tally: Option<Tally>,
@@ -154,15 +156,7 @@ impl State {
             let idle = lookup.as_ref().is_none_or(|h| h.is_finished());
             if Instant::now() >= next_membership && idle {
                 next_membership = Instant::now() + self.cfg.membership_every;
-                let net = self.client.net().clone();
-                let (run, stage, tx) = (self.client.run().to_string(), self.stage, mtx.clone());
-                let (cache, heard) = (cache.clone(), self.views.keys().copied().collect());
-                lookup = Some(tokio::spawn(async move {
-                    if let Ok(m) = registry::stage_members(&net, &run, stage, &heard, &cache).await
-                    {
-                        let _ = tx.try_send(m);
-                    }
-                }));
+                lookup = Some(self.look_up_members(&cache, mtx.clone()));
             }
             let span = self.round_span();
             self.tick().instrument(span).await;
@@ -181,7 +175,7 @@ impl State {
     }
 
     /// Every other replica of the stage this one knows of: announced, or heard from.
-    fn others(&self) -> Vec<PeerId> {
+    pub(super) fn others(&self) -> Vec<PeerId> {
         let mut out = self.known.clone();
         out.extend(self.views.keys().filter(|p| !self.known.contains(p)));
         out
@@ -550,6 +544,9 @@ impl State {
                 lost,
                 ahead,
             } => {
+                if !self.views.contains_key(&from) {
+                    self.introduce(from);
+                }
                 self.views.insert(
                     from,
                     View {
@@ -569,6 +566,7 @@ impl State {
                     self.known.push(from);
                 }
             }
+            AvgMsg::Mates { peers, addrs } => self.on_mates(&peers, &addrs).await,
             AvgMsg::Members {
                 step,
                 attempt,

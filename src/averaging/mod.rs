@@ -5,6 +5,7 @@
 //! - [`round`]: one round's bookkeeping (parts in, reduced parts in, completion).
 //! - [`reduce`]: the pure arithmetic (how the flat gradient is cut, how a part is reduced).
 //! - `actor`: the averager task of one replica (messages in and out, rounds run);
+//!   `mates`: how it learns its stage mates from the first ones it reaches;
 //!   `exchange`: a round as it runs; `send`: its senders (control messages, and a
 //!   round's bulk data).
 //! - [`server`]: the replica's answers to averaging messages and state requests.
@@ -48,6 +49,7 @@
 
 mod actor;
 mod exchange;
+mod mates;
 pub use crate::guard;
 pub mod plan;
 pub mod reduce;
@@ -445,6 +447,7 @@ impl Averager {
             step,
             views: HashMap::new(),
             known: Vec::new(),
+            introduced: HashMap::new(),
             round: None,
             tally: None,
             frozen: None,

@@ -181,7 +181,8 @@ fn fold_rate(avg: &AtomicU64, bytes: usize, took: Duration) {
 
 /// Sends one message, retrying a round message (a lost one stalls the round until its
 /// deadline; [`Retry::ROUND_MESSAGE`]) while `live` says its attempt runs; true if it got
-/// through. Progress is sent once: the heartbeat repeats it.
+/// through. Progress is sent once: the heartbeat repeats it; so are mates (other mates
+/// introduce them too).
 async fn send_one(
     client: &StageClient,
     stage: usize,
@@ -190,7 +191,7 @@ async fn send_one(
     frame: Option<&[u8]>,
     live: impl Fn() -> bool,
 ) -> bool {
-    let policy = if matches!(msg, AvgMsg::Progress { .. }) {
+    let policy = if matches!(msg, AvgMsg::Progress { .. } | AvgMsg::Mates { .. }) {
         Retry::ONCE
     } else {
         Retry::ROUND_MESSAGE

@@ -184,6 +184,19 @@ impl Announcement {
         Ok(a)
     }
 
+    /// Parses the announcement `peer` sent itself in an `info` answer (plain JSON: the
+    /// connection it came over authenticated the peer, so no signature), checked as a
+    /// DHT copy is except for its expiry (the peer just answered).
+    pub fn from_info(json: &[u8], peer: &str) -> Result<Self, RecordError> {
+        if json.len() > MAX_ANNOUNCEMENT {
+            return Err(RecordError::TooLarge(json.len()));
+        }
+        let a: Self =
+            serde_json::from_slice(json).map_err(|e| RecordError::Malformed(e.to_string()))?;
+        a.check(peer)?;
+        Ok(a)
+    }
+
     fn check(&self, key_peer: &str) -> Result<(), RecordError> {
         let bad = |m: &str| Err(RecordError::Malformed(m.to_string()));
         if self.v != ANN_VERSION {

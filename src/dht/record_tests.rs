@@ -170,3 +170,20 @@ fn announcements_validate_and_expire() -> TestResult {
     assert!(!super::is_provider_key(b"/shoal/stage/zz/1"));
     Ok(())
 }
+
+#[test]
+fn an_info_answer_is_checked_as_a_copy_is_but_never_expires() -> TestResult {
+    let (_, me) = peer();
+    let (_, other) = peer();
+    let now = 1_000_000;
+    let a = ann(RUN, &me, now)?;
+    // Long expired by its own clock: the peer just answered, so it is still what it says.
+    assert_eq!(Announcement::from_info(&a.to_bytes(), &me), Ok(a.clone()));
+    // Another peer's announcement relayed by this one, or a malformed one, is refused.
+    assert!(Announcement::from_info(&a.to_bytes(), &other).is_err());
+    let mut bad = a.clone();
+    bad.stage = 7;
+    assert!(Announcement::from_info(&bad.to_bytes(), &me).is_err());
+    assert!(Announcement::from_info(b"{", &me).is_err());
+    Ok(())
+}

@@ -143,6 +143,7 @@ pub(crate) enum Command {
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     Dial(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>),
     AddAddresses(PeerId, Vec<Multiaddr>),
+    AddressesOf(Vec<PeerId>, oneshot::Sender<Vec<(PeerId, Vec<Multiaddr>)>>),
     PutRecord {
         key: Vec<u8>,
         value: Vec<u8>,
@@ -307,6 +308,16 @@ impl NetHandle {
     /// Tells the swarm where a peer can be reached (used when a stream is opened to it).
     pub async fn add_addresses(&self, peer: PeerId, addrs: Vec<Multiaddr>) -> Result<(), NetError> {
         self.tell(Command::AddAddresses(peer, addrs)).await
+    }
+
+    /// Where each of `peers` can be reached, as far as this peer knows (addresses it was
+    /// told of, dialled, or heard from the peer's identify); peers it knows no address of
+    /// are left out.
+    pub async fn addresses_of(
+        &self,
+        peers: Vec<PeerId>,
+    ) -> Result<Vec<(PeerId, Vec<Multiaddr>)>, NetError> {
+        self.ask(|r| Command::AddressesOf(peers, r)).await
     }
 
     /// Stores a record locally and at the peers closest to its key, expiring after `ttl`.

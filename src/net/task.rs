@@ -197,6 +197,17 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
                 swarm.add_peer_address(peer, a);
             }
         }
+        Command::AddressesOf(peers, reply) => {
+            let store = &swarm.behaviour().addresses;
+            let known = peers
+                .into_iter()
+                .filter_map(|p| {
+                    let addrs: Vec<Multiaddr> = store.address_of_peer(&p)?.cloned().collect();
+                    (!addrs.is_empty()).then_some((p, addrs))
+                })
+                .collect();
+            let _ = reply.send(known);
+        }
         Command::PutRecord {
             key,
             value,

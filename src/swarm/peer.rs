@@ -326,11 +326,11 @@ impl Peer {
             last: Arc::new(Mutex::new(None)),
             emit,
             departed: Mutex::new(Vec::new()),
-            anns: crate::stage::registry::AnnCache::new(super::serving::LIVE_MAX_AGE),
+            anns: crate::stage::registry::AnnCache::new(super::serving::LIVE_MAX_AGE).past_expiry(),
         });
         let live = match cfg.stage {
             StageChoice::None => select::Sampled::default(),
-            _ => ctx.live().await?,
+            _ => ctx.live(super::serving::JOIN_SAMPLE).await?,
         };
         let stage_idx = match cfg.stage {
             StageChoice::Index(i) if i < count => Some(i),

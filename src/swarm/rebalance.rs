@@ -56,7 +56,9 @@ pub(super) async fn rebalance_loop(
             continue;
         };
         if fast {
-            let Ok(live) = ctx.live().await else {
+            // Whether a stage is empty: the joiner's sample (the same replicas it read to
+            // choose) answers that, at a third of the full check's reads.
+            let Ok(live) = ctx.live(super::serving::JOIN_SAMPLE).await else {
                 continue;
             };
             let now = Instant::now();

@@ -128,6 +128,8 @@ struct Ctx {
 /// step and ban notes age (the trainer measures the first two itself once it calls the
 /// replica). Each read is a DHT walk: at 60 s, with a miss read again after 15 s, 20
 /// trainers of a swarm of 200 were ~250 walks a second, more than its DHT could answer.
+/// A copy is kept this long even past the announcement's expiry (135 s in a stage of 45):
+/// the replica is still a provider, and the trainer's calls tell whether it answers.
 const ANNOUNCEMENT_MAX_AGE: Duration = Duration::from_secs(180);
 
 /// How long a trainer waits before looking again for a replica whose announcement was not
@@ -187,7 +189,8 @@ impl Trainer {
             target: m.config.target_batch_size(),
             table: Mutex::new(vec![Vec::new(); stages]),
             anns: crate::stage::registry::AnnCache::new(ANNOUNCEMENT_MAX_AGE)
-                .missing_for(ANNOUNCEMENT_MISSING),
+                .missing_for(ANNOUNCEMENT_MISSING)
+                .past_expiry(),
             stats: Arc::clone(&stats),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             turns: (0..stages)

@@ -42,6 +42,9 @@ pub const MAX_TENSORS: u8 = 8;
 /// the list of a state of any size travels in as many pages as it needs.
 pub const HASH_PAGE: usize = 1024;
 
+/// Mates an [`AvgMsg::Mates`] names at most (with two addresses each, ~25 KB of header).
+pub const MAX_MATES: usize = 128;
+
 /// Floats per chunk of an averaging part, at most (a part's chunk is one frame).
 pub const PART_CHUNK: usize = 256 << 10;
 
@@ -84,6 +87,16 @@ pub enum AvgMsg {
         /// moved on, so no more microbatches of `params_step` are coming.
         #[serde(default)]
         ahead: u64,
+    },
+    /// The sender's stage mates and addresses it knows them at, sent to a replica it hears
+    /// from for the first time: a replica joining a stage learns its mates from the first
+    /// ones it reaches instead of reading each one's announcement from the DHT. A receiver
+    /// keeps only those that also provide the stage in the DHT.
+    Mates {
+        /// Peer ids (at most [`MAX_MATES`] are taken).
+        peers: Vec<String>,
+        /// Their addresses, aligned with `peers`.
+        addrs: Vec<Vec<String>>,
     },
     /// From the round's leader: the members of an attempt at averaging `step`, in the order
     /// that assigns each its part.
