@@ -326,7 +326,9 @@ impl Peer {
             last: Arc::new(Mutex::new(None)),
             emit,
             departed: Mutex::new(Vec::new()),
-            anns: crate::stage::registry::AnnCache::new(super::serving::LIVE_MAX_AGE).past_expiry(),
+            anns: crate::stage::registry::AnnCache::new(super::serving::LIVE_MAX_AGE)
+                .missing_for(super::serving::LIVE_MISSING)
+                .past_expiry(),
         });
         let live = match cfg.stage {
             StageChoice::None => select::Sampled::default(),
