@@ -274,6 +274,12 @@ type Cached = (Option<Announcement>, tokio::time::Instant);
 /// not have spread yet, so not long).
 pub const MISS_AGE: Duration = Duration::from_secs(15);
 
+/// How old a cached copy that names another stage than the one read must be to be read
+/// again (a replica that moved there is seen within it; with a miss's age, 60 s for a
+/// rebalancer, a moved replica stayed invisible on its new stage long enough for others
+/// to move after it).
+pub const MOVED_AGE: Duration = Duration::from_secs(5);
+
 /// Peers an [`AnnCache`] remembers at most (emptied past it).
 const CACHED_PEERS: usize = 8192;
 
@@ -328,9 +334,9 @@ impl AnnCache {
     }
 
     /// The announcements of `peers`, providers of `stage` of `run` now. A copy that names
-    /// another stage or run is read again once it is as old as a miss may be: the replica
-    /// may have moved here (or away: then its provider record here lingers until it
-    /// expires, and its copy is not read at every call meanwhile).
+    /// another stage or run is read again once it is [`MOVED_AGE`] old: the replica may
+    /// have moved here (or away: then its provider record here lingers until it expires,
+    /// and its copy is not read at every call meanwhile).
     async fn read(
         &self,
         net: &NetHandle,
@@ -356,7 +362,7 @@ impl AnnCache {
             for p in peers {
                 match map.get(&p) {
                     Some((Some(a), at)) if a.run != run || a.stage as usize != stage => {
-                        if now.duration_since(*at) >= self.miss_age {
+                        if now.duration_since(*at) >= MOVED_AGE {
                             stale.push(p);
                         }
                     }
