@@ -123,13 +123,10 @@ struct Ctx {
     anns: crate::stage::registry::AnnCache,
 }
 
-/// How long a trainer reuses a replica's announcement before reading it again: the
-/// providers are read at every refresh, so only a replica's announced throughput, queue,
-/// step and ban notes age (the trainer measures the first two itself once it calls the
-/// replica). Each read is a DHT walk: at 60 s, with a miss read again after 15 s, 20
-/// trainers of a swarm of 200 were ~250 walks a second, more than its DHT could answer.
-/// A copy is kept this long even past the announcement's expiry (135 s in a stage of 45):
-/// the replica is still a provider, and the trainer's calls tell whether it answers.
+/// How long a trainer reuses a replica's announcement before reading it again (kept past
+/// its expiry: the replica is still a provider, and calls tell if it answers): only its
+/// throughput, queue, step and ban notes age, and the trainer measures the first two. Each
+/// read is a DHT walk: at 60 s, 20 trainers of 200 peers were ~250 walks a second.
 const ANNOUNCEMENT_MAX_AGE: Duration = Duration::from_secs(180);
 
 /// How long a trainer waits before looking again for a replica whose announcement was not
