@@ -22,7 +22,7 @@ const ADDRS_PER_MATE: usize = 2;
 
 /// How long an introduced mate counts as heard without a word from it (it hears of this
 /// replica's progress and answers within a heartbeat or two).
-pub(super) const INTRODUCED_FOR: Duration = Duration::from_secs(60);
+const INTRODUCED_FOR: Duration = Duration::from_secs(60);
 
 /// Announcements of unheard providers a membership read fetches from the DHT, at most.
 const MEMBER_READS: usize = 4;

@@ -175,9 +175,7 @@ impl Announcement {
                 "signed by {signer}, not by the peer it announces"
             )));
         }
-        let a: Self =
-            serde_json::from_slice(payload).map_err(|e| RecordError::Malformed(e.to_string()))?;
-        a.check(key_peer)?;
+        let a = Self::from_info(payload, key_peer)?;
         if a.expires_ms <= now_ms {
             return Err(RecordError::Expired);
         }

@@ -169,7 +169,7 @@ pub async fn read_stage_counted(
         sample(&mut peers, cap, seed);
     }
     let mut anns = match &how.cache {
-        Some(c) => c.read(net, peers, (run, stage)).await,
+        Some(c) => c.read(net, peers, (run, stage), None).await,
         None => read_peers(net, peers).await,
     };
     anns.retain(|a| a.run == run && a.stage as usize == stage);
@@ -207,13 +207,10 @@ pub async fn stage_members(
     let providers = net
         .get_providers(dht::stage_key(run, stage).into_bytes())
         .await?;
-    let mut unheard: Vec<PeerId> = providers
-        .iter()
-        .filter(|p| !heard.contains(p))
-        .copied()
-        .collect();
-    cache.keep_fetchable(&mut unheard, reads, dht::now_ms());
-    let anns = cache.read(net, unheard, (run, stage)).await;
+    let unheard = providers.iter().filter(|p| !heard.contains(p)).copied();
+    let anns = cache
+        .read(net, unheard.collect(), (run, stage), Some(reads))
+        .await;
     Ok(providers
         .into_iter()
         .filter_map(|p| {
@@ -315,25 +312,14 @@ impl AnnCache {
         }
     }
 
-    /// Drops from `peers` all but `most` of those this cache holds nothing for (neither a
-    /// copy nor a recent miss), picked at random: what a [`Self::read`] of them may fetch.
-    fn keep_fetchable(&self, peers: &mut Vec<PeerId>, most: usize, seed: u64) {
-        let map = self.inner.lock();
-        let (mut held, mut unknown): (Vec<PeerId>, Vec<PeerId>) =
-            peers.iter().copied().partition(|p| map.contains_key(p));
-        drop(map);
-        sample(&mut unknown, most, seed);
-        held.extend(unknown);
-        *peers = held;
-    }
-
     /// A peer not found is looked up again after `d`.
     pub fn missing_for(mut self, d: Duration) -> Self {
         self.miss_age = d;
         self
     }
 
-    /// The announcements of `peers`, providers of `stage` of `run` now. A copy that names
+    /// The announcements of `peers`, providers of `stage` of `run` now, fetching at most
+    /// `fetch` (picked at random) of those it holds no usable copy of. A copy that names
     /// another stage or run is read again once it is [`MOVED_AGE`] old: the replica may
     /// have moved here (or away: then its provider record here lingers until it expires,
     /// and its copy is not read at every call meanwhile).
@@ -342,6 +328,7 @@ impl AnnCache {
         net: &NetHandle,
         peers: Vec<PeerId>,
         (run, stage): (&str, usize),
+        fetch: Option<usize>,
     ) -> Vec<Announcement> {
         let now = tokio::time::Instant::now();
         let mut out = Vec::with_capacity(peers.len());
@@ -370,6 +357,9 @@ impl AnnCache {
                     None => stale.push(p),
                 }
             }
+        }
+        if let Some(most) = fetch {
+            sample(&mut stale, most, dht::now_ms());
         }
         let fetched = join_all(
             stale
