@@ -65,6 +65,9 @@ pub struct Behaviour {
     pub addresses: peer_store::Behaviour<peer_store::memory_store::MemoryStore>,
 }
 
+/// Peers a found manifest is copied to: the closest that were asked and lacked it.
+const CACHE_PEERS: u16 = 2;
+
 /// How often each connection is pinged.
 const PING_EVERY: Duration = Duration::from_secs(60);
 
@@ -76,7 +79,13 @@ fn behaviour(key: &Keypair, relay_client: relay::client::Behaviour, cfg: &NetCon
         .set_record_filtering(kad::StoreInserts::FilterBoth)
         .set_provider_record_ttl(Some(cfg.provider_ttl))
         .set_provider_publication_interval(Some(cfg.provider_ttl / 3))
-        .set_max_packet_size(64 << 10);
+        .set_max_packet_size(64 << 10)
+        // The closest peers a manifest walk asked without finding a copy get one (see
+        // `task::Pending::CacheCopy`): joiners spread the run's manifest toward its key as
+        // they read it, instead of every joiner storing it again at the twenty closest.
+        .set_caching(kad::Caching::Enabled {
+            max_peers: CACHE_PEERS,
+        });
     let store = MemoryStore::with_config(
         id,
         MemoryStoreConfig {

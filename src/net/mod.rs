@@ -17,6 +17,7 @@ pub mod reach;
 pub mod stats;
 pub mod streams;
 mod task;
+mod walks;
 
 use libp2p::identity::Keypair;
 use libp2p::pnet::PreSharedKey;
@@ -154,7 +155,8 @@ pub(crate) enum Command {
     RemoveRecord(Vec<u8>),
     StartProviding(Vec<u8>, oneshot::Sender<Result<(), NetError>>),
     StopProviding(Vec<u8>),
-    GetProviders(Vec<u8>, oneshot::Sender<HashSet<PeerId>>),
+    /// A provider walk, ended after the patience if any (with what it found by then).
+    GetProviders(Vec<u8>, Option<Duration>, oneshot::Sender<HashSet<PeerId>>),
     Bootstrap,
     Connections(oneshot::Sender<Vec<ConnectionInfo>>),
     Status(oneshot::Sender<reach::NetStatus>),
@@ -373,7 +375,17 @@ impl NetHandle {
 
     /// The providers of `key` found in the DHT.
     pub async fn get_providers(&self, key: Vec<u8>) -> Result<HashSet<PeerId>, NetError> {
-        self.timed(self.ask(|r| Command::GetProviders(key, r)))
+        self.get_providers_within(key, None).await
+    }
+
+    /// The providers of `key` found in the DHT within `patience` (the walk is ended then,
+    /// with what it found), or by the whole walk.
+    pub async fn get_providers_within(
+        &self,
+        key: Vec<u8>,
+        patience: Option<Duration>,
+    ) -> Result<HashSet<PeerId>, NetError> {
+        self.timed(self.ask(|r| Command::GetProviders(key, patience, r)))
             .await
     }
 

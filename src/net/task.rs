@@ -38,6 +38,9 @@ pub(super) enum Pending {
     GetRecord(Vec<Vec<u8>>, oneshot::Sender<Vec<Vec<u8>>>),
     GetProviders(HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>),
     Put(oneshot::Sender<Result<(), NetError>>),
+    /// A manifest was found and handed over; the rest of the walk names the closest peers
+    /// it asked that lacked a copy, and the copy is stored there (Kademlia's caching).
+    CacheCopy(Box<Record>),
     /// Looking for relays; the providers found are looked up and dialled.
     Relays,
     /// Looking up a relay's addresses, to dial it.
@@ -50,6 +53,8 @@ pub(super) struct State {
     /// Dials connected, waiting for the peer's identify: peer → (since, replies).
     pub(super) identifying: HashMap<PeerId, (Instant, Vec<DialReply>)>,
     pub(super) queries: HashMap<QueryId, Pending>,
+    /// Walks to end early, and when: each reports what it found at its end.
+    pub(super) walk_ends: Vec<(Instant, QueryId)>,
     pub(super) conns: HashMap<ConnectionId, ConnectionInfo>,
     pub(super) relay_server: bool,
     pub(super) dht_server: bool,
@@ -84,6 +89,7 @@ pub(crate) async fn run(
         dials: HashMap::new(),
         identifying: HashMap::new(),
         queries: HashMap::new(),
+        walk_ends: Vec::new(),
         conns: HashMap::new(),
         relay_server,
         dht_server,
@@ -109,6 +115,7 @@ pub(crate) async fn run(
         }
     }
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut ends = tokio::time::interval(super::walks::WALK_END_CHECK);
     loop {
         tokio::select! {
             cmd = rx.recv() => match cmd {
@@ -117,6 +124,7 @@ pub(crate) async fn run(
             },
             event = swarm.select_next_some() => on_event(&mut swarm, &mut st, event),
             _ = tick.tick() => super::nat::on_tick(&mut swarm, &mut st),
+            _ = ends.tick(), if !st.walk_ends.is_empty() => super::walks::end_walks(&mut swarm, &mut st),
         }
     }
 }
@@ -255,13 +263,16 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             .behaviour_mut()
             .kad
             .stop_providing(&kad::RecordKey::new(&key)),
-        Command::GetProviders(key, reply) => {
+        Command::GetProviders(key, patience, reply) => {
             let q = swarm
                 .behaviour_mut()
                 .kad
                 .get_providers(kad::RecordKey::new(&key));
             st.queries
                 .insert(q, Pending::GetProviders(HashSet::new(), reply));
+            if let Some(p) = patience {
+                st.walk_ends.push((Instant::now() + p, q));
+            }
         }
         Command::Bootstrap => {
             if let Err(e) = swarm.behaviour_mut().kad.bootstrap() {
@@ -469,6 +480,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
             match (pending, result) {
                 (Pending::GetRecord(mut found, reply), QueryResult::GetRecord(r)) => {
                     let mut enough = ENOUGH_RECORDS;
+                    let mut cache = None;
                     if let Ok(GetRecordOk::FoundRecord(pr)) = r {
                         // A manifest is named by its hash: any valid copy is the copy.
                         if let Ok(dht::record::KeyKind::Manifest(_)) =
@@ -477,7 +489,12 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                             enough = 1;
                         }
                         match dht::validate(pr.record.key.as_ref(), &pr.record.value, now) {
-                            Ok(()) => found.push(pr.record.value),
+                            Ok(()) => {
+                                if enough == 1 {
+                                    cache = Some(Box::new(pr.record.clone()));
+                                }
+                                found.push(pr.record.value)
+                            }
                             Err(e) => {
                                 count_forged(st, &e);
                                 tracing::debug!(target: "shoal::net", "ignored a record: {e}");
@@ -490,10 +507,25 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                             if let Some(mut q) = swarm.behaviour_mut().kad.query_mut(&id) {
                                 q.finish();
                             }
+                            if let Some(record) = cache {
+                                st.queries.insert(id, Pending::CacheCopy(record));
+                            }
                         }
                         let _ = reply.send(found);
                     } else {
                         st.queries.insert(id, Pending::GetRecord(found, reply));
+                    }
+                }
+                (Pending::CacheCopy(record), QueryResult::GetRecord(r)) => {
+                    if let Ok(GetRecordOk::FinishedWithNoAdditionalRecord { cache_candidates }) = r
+                    {
+                        if !cache_candidates.is_empty() {
+                            swarm.behaviour_mut().kad.put_record_to(
+                                *record,
+                                cache_candidates.into_values(),
+                                Quorum::One,
+                            );
+                        }
                     }
                 }
                 (Pending::GetProviders(mut found, reply), QueryResult::GetProviders(r)) => {

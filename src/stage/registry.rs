@@ -130,6 +130,8 @@ pub struct Reading {
     pub cache: Option<AnnCache>,
     /// Read at most this many of the stage's providers, picked at random with this seed.
     pub sample: Option<(usize, u64)>,
+    /// End the provider walk after this long, with the providers found by then.
+    pub patience: Option<Duration>,
 }
 
 impl Reading {
@@ -138,6 +140,7 @@ impl Reading {
         Self {
             cache: Some(cache.clone()),
             sample: None,
+            patience: None,
         }
     }
 }
@@ -161,7 +164,7 @@ pub async fn read_stage_counted(
     how: &Reading,
 ) -> Result<(Vec<Announcement>, usize), NetError> {
     let providers = net
-        .get_providers(dht::stage_key(run, stage).into_bytes())
+        .get_providers_within(dht::stage_key(run, stage).into_bytes(), how.patience)
         .await?;
     let total = providers.len();
     let mut peers: Vec<PeerId> = providers.into_iter().collect();
@@ -361,11 +364,16 @@ impl AnnCache {
         if let Some(most) = fetch {
             sample(&mut stale, most, dht::now_ms());
         }
-        let fetched = join_all(
-            stale
-                .into_iter()
-                .map(|p| async move { (p, read_announcement(net, p).await) }),
+        let client = crate::stage::client::StageClient::new(
+            net.clone(),
+            run.to_string(),
+            crate::wire::CodecSpec::F32,
         )
+        .with_timeout(ASK_TIMEOUT);
+        let fetched = join_all(stale.into_iter().map(|p| {
+            let client = client.clone();
+            async move { (p, ask_or_read(&client, p, stage).await) }
+        }))
         .await;
         let mut map = self.inner.lock();
         for (p, a) in fetched {
@@ -374,6 +382,31 @@ impl AnnCache {
         }
         out
     }
+}
+
+/// How long a reader waits for a replica's own answer before it reads the DHT instead.
+const ASK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `peer`'s announcement as the replica itself tells it (an `info` call on stage
+/// `stage`), else the DHT's copy. A walk for a record is a dozen or more DHT requests, each
+/// answered with the twenty peers closest to the key; in a swarm of 200 those answers were
+/// the largest share of the CPU, while most readers (stage mates, trainers) are connected
+/// to the replica already.
+async fn ask_or_read(
+    client: &crate::stage::client::StageClient,
+    peer: PeerId,
+    stage: usize,
+) -> Option<Announcement> {
+    if let Ok(r) = client.info(peer, stage).await {
+        let own = r
+            .info
+            .as_deref()
+            .and_then(|j| Announcement::from_info(j.as_bytes(), &peer.to_string()).ok());
+        if own.is_some() {
+            return own;
+        }
+    }
+    read_announcement(client.net(), peer).await
 }
 
 /// Every live announcement of any run (through the peers key).

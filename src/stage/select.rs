@@ -41,7 +41,7 @@ pub fn loads(stages: usize, anns: &[Announcement]) -> Vec<StageLoad> {
 pub struct Sampled {
     /// Per stage, the live replicas read.
     pub per_stage: Vec<Vec<Announcement>>,
-    /// Per stage, providers ÷ providers read (≥ 1).
+    /// Per stage, providers ÷ providers read (≥ 1), or 0 where no provider was found.
     pub scale: Vec<f64>,
 }
 

@@ -70,9 +70,8 @@ impl Refresh {
         };
         self.service
             .set_info(String::from_utf8_lossy(&ann.to_bytes()).into_owned());
-        registry::announce(&self.net, &ann, ttl, provide).await?;
-        *self.last.lock() = Some(ann);
-        Ok(())
+        *self.last.lock() = Some(ann.clone());
+        registry::announce(&self.net, &ann, ttl, provide).await
     }
 
     /// The TTL of the next announcement: the configured one, or [`TTL_PER_MATE`] per stage
@@ -82,8 +81,12 @@ impl Refresh {
         self.ttl.max(TTL_PER_MATE * mates.min(1000) as u32)
     }
 
-    /// Announces again every third of the TTL, for as long as the task lives.
+    /// Announces the replica as a provider of its stage, then again every third of the
+    /// TTL, for as long as the task lives.
     pub(super) async fn run(self) {
+        if let Err(e) = self.once(true).await {
+            tracing::warn!(target: "shoal::peer", "cannot announce the replica: {e}");
+        }
         loop {
             let period = (self.ttl_now() / 3).max(Duration::from_millis(200));
             tokio::time::sleep(period).await;

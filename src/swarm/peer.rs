@@ -279,6 +279,7 @@ impl Peer {
             cfg.bootstrap.clone(),
             cfg.rejoin_every,
         ));
+        let fetched = from_file.is_none();
         let manifest = match (from_file, &cfg.run) {
             (Some(m), _) => m,
             (None, RunSource::Id(id)) => {
@@ -287,7 +288,19 @@ impl Peer {
             (None, RunSource::File(p)) => Manifest::load(p)?,
         };
         let ttl = cfg.announce_ttl.max(MANIFEST_TTL);
-        registry::publish_manifest(&net, &manifest, ttl).await?;
+        // The run's publisher stores the manifest before anything else; a joiner stores the
+        // copy it found beside its start, not before it (the walk took seconds of every
+        // joiner's start when 200 joined at once).
+        if fetched {
+            let (net, manifest) = (net.clone(), manifest.clone());
+            tasks.spawn(async move {
+                if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
+                    tracing::warn!(target: "shoal::peer", "cannot store the manifest: {e}");
+                }
+            });
+        } else {
+            registry::publish_manifest(&net, &manifest, ttl).await?;
+        }
         // Every peer keeps the manifest alive (a bootstrap that serves no stage too), each
         // at its own random times within a third of the record's TTL.
         {
@@ -332,7 +345,13 @@ impl Peer {
         });
         let live = match cfg.stage {
             StageChoice::None => select::Sampled::default(),
-            _ => ctx.live(super::serving::JOIN_SAMPLE).await?,
+            _ => {
+                ctx.live(
+                    super::serving::JOIN_SAMPLE,
+                    Some(super::serving::JOIN_PATIENCE),
+                )
+                .await?
+            }
         };
         let stage_idx = match cfg.stage {
             StageChoice::Index(i) if i < count => Some(i),

@@ -58,7 +58,7 @@ pub(super) async fn rebalance_loop(
         if fast {
             // Whether a stage is empty: the joiner's sample (the same replicas it read to
             // choose) answers that, at a third of the full check's reads.
-            let Ok(live) = ctx.live(super::serving::JOIN_SAMPLE).await else {
+            let Ok(live) = ctx.live(super::serving::JOIN_SAMPLE, None).await else {
                 continue;
             };
             let now = Instant::now();
@@ -71,7 +71,13 @@ pub(super) async fn rebalance_loop(
                 seen.iter().map(|(p, (s, _))| (p.clone(), *s)).collect();
             // Check again soon while a stage is empty and another has a replica to spare.
             fast = select::fillable(count, &placed);
-            if let Some(target) = select::fill_empty(count, &placed, &me) {
+            // A stage with providers whose announcements were not read (walks that timed
+            // out in a busy swarm) is not empty: in a swarm of 200, peers that filled such
+            // stages piled 70 replicas onto one.
+            let has_providers = |s: usize| live.scale.get(s).is_some_and(|&x| x > 0.0);
+            if let Some(target) =
+                select::fill_empty(count, &placed, &me).filter(|&t| !has_providers(t))
+            {
                 move_to(
                     &ctx,
                     &slot,

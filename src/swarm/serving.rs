@@ -106,12 +106,17 @@ impl Ctx {
     /// peer's answer has it. The DHT is read only for replicas not read before; a copy is
     /// then refreshed by the replica's answers. This peer's own announcement counts without
     /// a call.
-    pub(super) async fn live(&self, most: usize) -> Result<select::Sampled, PeerError> {
+    pub(super) async fn live(
+        &self,
+        most: usize,
+        patience: Option<Duration>,
+    ) -> Result<select::Sampled, PeerError> {
         let count = self.manifest.config.stages.count;
         let me = self.net.local_peer_id().to_string();
         let how = registry::Reading {
             cache: Some(self.anns.clone()),
             sample: Some((most, crate::rng::derive_seed(LIVE_SEED, &me))),
+            patience,
         };
         let read = futures::future::join_all(
             (0..count).map(|s| registry::read_stage_counted(&self.net, &self.manifest.id, s, &how)),
@@ -340,7 +345,8 @@ impl Ctx {
             ttl: cfg.announce_ttl,
             last: Arc::clone(&self.last),
         };
-        refresh.once(true).await?;
+        // The first announcement's walks run beside the service (a joiner serves at once;
+        // in a busy swarm of 200 they took ~10 s, and stored their records locally first).
         // Periodic checkpoints run beside the announcements and stop with them.
         let periodic = match (&cfg.checkpoint, cfg.checkpoint_every) {
             (Some(path), Some(every)) => Some(periodic_checkpoints(
@@ -466,7 +472,7 @@ impl Ctx {
         mine: usize,
         my_tp: f64,
     ) -> Option<(usize, Vec<Vec<Announcement>>)> {
-        let live = self.live(LIVE_SAMPLE).await.ok()?;
+        let live = self.live(LIVE_SAMPLE, None).await.ok()?;
         let (loads, tps) = (live.loads(), live.throughputs());
         select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY)
             .map(|t| (t, live.per_stage))
@@ -480,6 +486,12 @@ pub(super) const LIVE_SAMPLE: usize = 16;
 /// by rebalancing, and every joiner reading 16 a stage was 11,000 record walks when 177
 /// joined a 4-stage swarm at once.
 pub(super) const JOIN_SAMPLE: usize = 6;
+
+/// How long a joiner's provider walks may take: they end then
+/// with the providers found. When 200 peers joined at once each walk ran to the DHT's 10-s
+/// timeout, for stages that mostly had no provider yet; a choice from part of the
+/// providers is refined by rebalancing.
+pub(super) const JOIN_PATIENCE: Duration = Duration::from_secs(3);
 
 /// Seed of the providers a peer samples (with its own id: each peer samples others).
 const LIVE_SEED: u64 = 0x11fe;
