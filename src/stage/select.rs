@@ -170,6 +170,22 @@ pub fn rebalance(
     Some(target)
 }
 
+/// The share of stage `mine`'s replicas that should move to `target` to even the two:
+/// the moves needed (each takes `my_tp` from one and gives it to the other) over the
+/// replicas of `mine`, at most 1. When every replica of an over-full stage saw the same
+/// weakest stage and moved, they piled up there (200 peers: 61 replicas on one stage of
+/// four after 46 moves); each now moves with this probability.
+pub fn move_share(loads: &[StageLoad], mine: usize, target: usize, my_tp: f64) -> f64 {
+    let (Some(m), Some(t)) = (loads.get(mine), loads.get(target)) else {
+        return 0.0;
+    };
+    if m.replicas == 0 || !my_tp.is_finite() || my_tp <= 0.0 {
+        return 0.0;
+    }
+    let needed = ((m.total - t.total) / (2.0 * my_tp)).ceil().max(1.0);
+    (needed / m.replicas as f64).min(1.0)
+}
+
 /// Which empty stage, if any, this peer (`me`) should move to: the swarm cannot train
 /// while a stage has nobody. `placed` is every serving peer's (id, stage), this one
 /// included. Every stage with two replicas or more keeps its lowest id; the others are
@@ -215,6 +231,26 @@ fn holes(stages: usize, placed: &[(String, usize)]) -> (Vec<usize>, Vec<&str>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_crowded_stage_sends_only_the_share_that_evens_it() {
+        let load = |stage, replicas: usize| StageLoad {
+            stage,
+            replicas,
+            total: 10.0 * replicas as f64,
+        };
+        // 60 against 30 replicas of 10 samples/s: 15 moves even them, a quarter of 60.
+        let loads = [load(0, 60), load(1, 30)];
+        assert!((move_share(&loads, 0, 1, 10.0) - 0.25).abs() < 1e-9);
+        // Four against one: two moves of four.
+        let loads = [load(0, 4), load(1, 1)];
+        assert!((move_share(&loads, 0, 1, 10.0) - 0.5).abs() < 1e-9);
+        // At least one move, never more than everyone.
+        assert!((move_share(&[load(0, 3), load(1, 3)], 0, 1, 10.0) - 1.0 / 3.0).abs() < 1e-9);
+        assert_eq!(move_share(&[load(0, 1), load(1, 0)], 0, 1, 1e-3), 1.0);
+        assert_eq!(move_share(&loads, 0, 7, 10.0), 0.0);
+        assert_eq!(move_share(&loads, 0, 1, f64::NAN), 0.0);
+    }
 
     fn ann(peer: &str, stage: u32, samples_per_s: f64) -> Announcement {
         Announcement {

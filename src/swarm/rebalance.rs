@@ -95,9 +95,13 @@ pub(super) async fn rebalance_loop(
         }
         // Confirm after a random pause, so peers that decided together see each other move.
         tokio::time::sleep(period.mul_f64(0.25 * rng.next_f64())).await;
-        let Some((target, live)) = ctx.target(mine, tp).await else {
+        let Some((target, share, live)) = ctx.target(mine, tp).await else {
             continue;
         };
+        // Only the share of the stage that evens it moves (each replica by chance).
+        if rng.next_f64() >= share {
+            continue;
+        }
         move_to(&ctx, &slot, &moving, &moves, (mine, target), &live).await;
         fast = true;
     }

@@ -466,16 +466,21 @@ impl Ctx {
         service
     }
 
-    /// Where this peer should move from `mine`, judged on the live swarm.
+    /// Where this peer should move from `mine`, and the share of its stage that should
+    /// ([`select::move_share`]), judged on the live swarm.
     pub(super) async fn target(
         &self,
         mine: usize,
         my_tp: f64,
-    ) -> Option<(usize, Vec<Vec<Announcement>>)> {
+    ) -> Option<(usize, f64, Vec<Vec<Announcement>>)> {
         let live = self.live(LIVE_SAMPLE, None).await.ok()?;
         let (loads, tps) = (live.loads(), live.throughputs());
-        select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY)
-            .map(|t| (t, live.per_stage))
+        let t = select::rebalance(&loads, &tps, mine, my_tp, select::BALANCE_QUALITY)?;
+        Some((
+            t,
+            select::move_share(&loads, mine, t, my_tp),
+            live.per_stage,
+        ))
     }
 }
 
