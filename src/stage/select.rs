@@ -43,6 +43,9 @@ pub struct Sampled {
     pub per_stage: Vec<Vec<Announcement>>,
     /// Per stage, providers ÷ providers read (≥ 1), or 0 where no provider was found.
     pub scale: Vec<f64>,
+    /// Per stage, sampled providers whose announcement could not be read (unknown, not
+    /// known dead: a busy DHT's walks time out).
+    pub unread: Vec<usize>,
 }
 
 impl Sampled {
@@ -268,6 +271,7 @@ mod tests {
                 vec![ann("c", 1, 5.0), ann("d", 1, 5.0), ann("e", 1, 5.0)],
             ],
             scale: vec![4.0, 1.0],
+            unread: Vec::new(),
         };
         let l = s.loads();
         assert_eq!((l[0].replicas, l[0].total), (8, 120.0));

@@ -71,13 +71,12 @@ pub(super) async fn rebalance_loop(
                 seen.iter().map(|(p, (s, _))| (p.clone(), *s)).collect();
             // Check again soon while a stage is empty and another has a replica to spare.
             fast = select::fillable(count, &placed);
-            // A stage with providers whose announcements were not read (walks that timed
-            // out in a busy swarm) is not empty: in a swarm of 200, peers that filled such
-            // stages piled 70 replicas onto one.
-            let has_providers = |s: usize| live.scale.get(s).is_some_and(|&x| x > 0.0);
-            if let Some(target) =
-                select::fill_empty(count, &placed, &me).filter(|&t| !has_providers(t))
-            {
+            // A stage with providers whose announcements could not be read (walks that
+            // timed out in a busy swarm) is unknown, not empty: in a swarm of 200, peers
+            // that filled such stages piled 70 replicas onto one. (One whose replicas were
+            // read and did not answer is empty: filled at once.)
+            let unknown = |s: usize| live.unread.get(s).is_some_and(|&n| n > 0);
+            if let Some(target) = select::fill_empty(count, &placed, &me).filter(|&t| !unknown(t)) {
                 move_to(
                     &ctx,
                     &slot,

@@ -124,9 +124,11 @@ impl Ctx {
         .await;
         let mut per_stage = Vec::with_capacity(count);
         let mut scale = Vec::with_capacity(count);
+        let mut unread = Vec::with_capacity(count);
         for r in read {
             let (anns, providers) = r?;
             scale.push(providers as f64 / providers.clamp(1, most) as f64);
+            unread.push(providers.min(most).saturating_sub(anns.len()));
             per_stage.push(anns);
         }
         let client = StageClient::new(
@@ -175,6 +177,7 @@ impl Ctx {
         Ok(select::Sampled {
             per_stage: out,
             scale,
+            unread,
         })
     }
 
