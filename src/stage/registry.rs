@@ -397,16 +397,24 @@ async fn ask_or_read(
     peer: PeerId,
     stage: usize,
 ) -> Option<Announcement> {
-    if let Ok(r) = client.info(peer, stage).await {
-        let own = r
-            .info
-            .as_deref()
-            .and_then(|j| Announcement::from_info(j.as_bytes(), &peer.to_string()).ok());
-        if own.is_some() {
-            return own;
-        }
+    if let Ok(Some(own)) = ask_announcement(client, peer, stage).await {
+        return Some(own);
     }
     read_announcement(client.net(), peer).await
+}
+
+/// The announcement replica `peer` gives of itself in an `info` answer on stage `stage`
+/// (checked by [`Announcement::from_info`]); `None` when the answer carries none that
+/// checks out, an error when the call failed.
+pub async fn ask_announcement(
+    client: &crate::stage::client::StageClient,
+    peer: PeerId,
+    stage: usize,
+) -> Result<Option<Announcement>, crate::stage::client::CallError> {
+    let r = client.info(peer, stage).await?;
+    Ok(r.info
+        .as_deref()
+        .and_then(|j| Announcement::from_info(j.as_bytes(), &peer.to_string()).ok()))
 }
 
 /// Every live announcement of any run (through the peers key).

@@ -150,12 +150,10 @@ impl Ctx {
                         let addrs: Vec<Multiaddr> =
                             a.addrs.iter().filter_map(|x| x.parse().ok()).collect();
                         client.net().add_addresses(peer, addrs).await.ok()?;
-                        let r = client.info(peer, a.stage as usize).await.ok()?;
-                        let fresh = r.info.as_deref().and_then(|j| {
-                            Announcement::from_info(j.as_bytes(), &a.peer)
-                                .ok()
-                                .filter(|f| f.run == a.run && f.stage == a.stage)
-                        });
+                        let fresh = registry::ask_announcement(&client, peer, a.stage as usize)
+                            .await
+                            .ok()?
+                            .filter(|f| f.run == a.run && f.stage == a.stage);
                         match fresh {
                             Some(f) => {
                                 anns.refresh(peer, f.clone());
