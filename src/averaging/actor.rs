@@ -60,6 +60,8 @@ pub(super) struct State {
     pub(super) known: Vec<PeerId>,
     /// Mates other replicas introduced, and when ([`super::mates`]).
     pub(super) introduced: HashMap<PeerId, Instant>,
+    /// Mates that answered from another stage, noted by the senders.
+    pub(super) moved: super::send::Moved,
     pub(super) round: Option<Round>,
     /// What this replica received for its running round.
     pub(super) tally: Option<Tally>,
@@ -109,6 +111,7 @@ impl State {
                 m = rx.recv() => match m {
                     Some(m) if self.guard.is_banned(&m.from, Instant::now()) => {}
                     Some(m) if !self.left => {
+                        self.moved.clear(&m.from);
                         let span = self.round_span();
                         self.on_message(m).instrument(span).await;
                     }
@@ -145,6 +148,7 @@ impl State {
                 }
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
+            self.forget_moved();
             self.cfg = self.base_cfg.fitted(self.known.len());
             self.stats
                 .mates

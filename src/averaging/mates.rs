@@ -99,6 +99,15 @@ impl State {
         })
     }
 
+    /// Forgets the mates that answered from another stage lately (they moved away).
+    pub(super) fn forget_moved(&mut self) {
+        for p in self.moved.recent() {
+            self.known.retain(|k| *k != p);
+            self.views.remove(&p);
+            self.introduced.remove(&p);
+        }
+    }
+
     /// The mates a membership read counts as heard: heard from, or introduced lately.
     fn vouched(&mut self) -> HashSet<PeerId> {
         let now = Instant::now();

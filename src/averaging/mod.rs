@@ -416,7 +416,13 @@ impl Averager {
         let span = tracing::info_span!("averager", stage = service.stage());
         let tasks = crate::tasks::Tasks::new();
         let (out_tx, out_rx) = mpsc::channel(send::OUTBOX);
-        tasks.spawn_draining(send::sender(client.clone(), service.stage(), out_rx));
+        let moved = send::Moved::default();
+        tasks.spawn_draining(send::sender(
+            client.clone(),
+            service.stage(),
+            out_rx,
+            moved.clone(),
+        ));
         let (bulk_tx, bulk_rx) = mpsc::channel(send::BULK_OUTBOX);
         let abandoned = send::Abandoned::default();
         tasks.spawn_draining(send::bulk_sender(
@@ -425,6 +431,7 @@ impl Averager {
             bulk_rx,
             abandoned.clone(),
             Arc::clone(&stats),
+            moved.clone(),
         ));
         let st = actor::State {
             me: client.local_peer_id(),
@@ -448,6 +455,7 @@ impl Averager {
             views: HashMap::new(),
             known: Vec::new(),
             introduced: HashMap::new(),
+            moved,
             round: None,
             tally: None,
             frozen: None,

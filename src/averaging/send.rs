@@ -189,6 +189,7 @@ async fn send_one(
     peer: PeerId,
     msg: &AvgMsg,
     frame: Option<&[u8]>,
+    moved: &Moved,
     live: impl Fn() -> bool,
 ) -> bool {
     let policy = if matches!(msg, AvgMsg::Progress { .. } | AvgMsg::Mates { .. }) {
@@ -203,6 +204,9 @@ async fn send_one(
         Some(Ok(())) => true,
         Some(Err(e)) => {
             tracing::debug!(target: "shoal::averaging", %peer, "send failed: {e}");
+            if e.kind() == Some(crate::wire::msg::ErrorKind::WrongStage) {
+                moved.add(peer);
+            }
             false
         }
         None => false,
@@ -211,15 +215,56 @@ async fn send_one(
 
 /// Sends the control outbox's messages, at most [`SENDS_IN_FLIGHT`] at once; ends when the
 /// averager drops its side.
-pub(super) async fn sender(client: StageClient, stage: usize, rx: mpsc::Receiver<Outgoing>) {
+pub(super) async fn sender(
+    client: StageClient,
+    stage: usize,
+    rx: mpsc::Receiver<Outgoing>,
+    moved: Moved,
+) {
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
         .for_each_concurrent(SENDS_IN_FLIGHT, |o| {
-            let client = client.clone();
+            let (client, moved) = (client.clone(), moved.clone());
             async move {
-                send_one(&client, stage, o.peer, &o.msg, None, || true).await;
+                send_one(&client, stage, o.peer, &o.msg, None, &moved, || true).await;
             }
         })
         .await;
+}
+
+/// How long a mate that answered from another stage stays forgotten unless it is heard
+/// from again: its provider record here lives as long.
+const MOVED_FOR: Duration = Duration::from_secs(180);
+
+/// Mates that answered from another stage (they moved away), and when; shared by the
+/// senders, which note them, and the averager, which forgets them (`forget_moved`):
+/// their lingering provider records, cached announcements and other mates' introductions
+/// brought them back otherwise (at 200 peers one moved replica drew 400 refused messages
+/// in 20 s).
+#[derive(Clone, Default)]
+pub(super) struct Moved(Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Instant>>>);
+
+impl Moved {
+    fn add(&self, peer: PeerId) {
+        self.0.lock().insert(peer, Instant::now());
+    }
+
+    /// The peers that answered from another stage lately.
+    pub(super) fn recent(&self) -> Vec<PeerId> {
+        let mut m = self.0.lock();
+        if m.is_empty() {
+            return Vec::new();
+        }
+        m.retain(|_, at| at.elapsed() < MOVED_FOR);
+        m.keys().copied().collect()
+    }
+
+    /// `peer` spoke from this stage: it is (back) here.
+    pub(super) fn clear(&self, peer: &PeerId) {
+        let mut m = self.0.lock();
+        if !m.is_empty() {
+            m.remove(peer);
+        }
+    }
 }
 
 /// Attempts abandoned (the newest few), shared by the averager and its bulk sender.
@@ -251,6 +296,7 @@ pub(super) async fn bulk_sender(
     rx: mpsc::Receiver<Bulk>,
     abandoned: Abandoned,
     stats: Arc<AvgStats>,
+    moved: Moved,
 ) {
     let meter = Arc::new(parking_lot::Mutex::new(Meter::default()));
     let is_live = move |key: Key| !abandoned.has(key);
@@ -258,6 +304,7 @@ pub(super) async fn bulk_sender(
         .flat_map(|b| futures::stream::iter(b.jobs()))
         .for_each_concurrent(SENDS_IN_FLIGHT, |job| {
             let (client, stats, meter) = (client.clone(), Arc::clone(&stats), Arc::clone(&meter));
+            let moved = moved.clone();
             let is_live = is_live.clone();
             async move {
                 if !is_live(job.key) {
@@ -268,9 +315,16 @@ pub(super) async fn bulk_sender(
                     .map_or(0, |(h, _)| h.elements());
                 let started = Instant::now();
                 meter.lock().start(started);
-                let ok = send_one(&client, stage, job.peer, &job.msg, Some(&frame), || {
-                    is_live(job.key)
-                })
+                let frame_ref = Some(frame.as_slice());
+                let ok = send_one(
+                    &client,
+                    stage,
+                    job.peer,
+                    &job.msg,
+                    frame_ref,
+                    &moved,
+                    || is_live(job.key),
+                )
                 .await;
                 let sent = if ok { frame.len() as u64 } else { 0 };
                 meter
@@ -290,6 +344,23 @@ pub(super) async fn bulk_sender(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mate_that_answered_from_another_stage_is_forgotten_until_heard_again() {
+        let moved = Moved::default();
+        let (a, b) = (PeerId::random(), PeerId::random());
+        assert!(moved.recent().is_empty());
+        moved.add(a);
+        moved.add(b);
+        let mut r = moved.recent();
+        r.sort();
+        let mut both = vec![a, b];
+        both.sort();
+        assert_eq!(r, both);
+        // `b` spoke from this stage again.
+        moved.clear(&b);
+        assert_eq!(moved.recent(), vec![a]);
+    }
 
     #[test]
     fn calls_sharing_the_link_never_read_as_a_multiple_of_it() {

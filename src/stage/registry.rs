@@ -265,10 +265,14 @@ pub struct AnnCache {
     miss_age: Duration,
     keep_expired: bool,
     inner: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Cached>>>,
+    /// When each peer last gave its announcement itself to a read (an `info` answer).
+    answered: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Instant>>>,
 }
 
 /// A peer's announcement as last read (`None`: not found), and when.
-type Cached = (Option<Announcement>, tokio::time::Instant);
+type Cached = (Option<Announcement>, Instant);
+
+type Instant = tokio::time::Instant;
 
 /// How long a peer whose announcement was not found is not looked up again (its record may
 /// not have spread yet, so not long).
@@ -292,6 +296,7 @@ impl AnnCache {
             miss_age: MISS_AGE.min(max_age),
             keep_expired: false,
             inner: Default::default(),
+            answered: Default::default(),
         }
     }
 
@@ -315,6 +320,23 @@ impl AnnCache {
         }
     }
 
+    /// Whether `peer` gave its announcement itself (so was live) to a read of this cache
+    /// at or after `since`.
+    pub fn answered_since(&self, peer: &PeerId, since: Instant) -> bool {
+        self.answered
+            .lock()
+            .get(peer)
+            .is_some_and(|at| *at >= since)
+    }
+
+    fn note_answer(&self, peer: PeerId, at: Instant) {
+        let mut m = self.answered.lock();
+        if m.len() > CACHED_PEERS {
+            m.clear();
+        }
+        m.insert(peer, at);
+    }
+
     /// A peer not found is looked up again after `d`.
     pub fn missing_for(mut self, d: Duration) -> Self {
         self.miss_age = d;
@@ -336,6 +358,8 @@ impl AnnCache {
         let now = tokio::time::Instant::now();
         let mut out = Vec::with_capacity(peers.len());
         let mut stale = Vec::new();
+        // Stale peers whose copy names another stage or run.
+        let mut elsewhere = std::collections::HashSet::new();
         {
             let mut map = self.inner.lock();
             let now_ms = dht::now_ms();
@@ -354,6 +378,7 @@ impl AnnCache {
                     Some((Some(a), at)) if a.run != run || a.stage as usize != stage => {
                         if now.duration_since(*at) >= MOVED_AGE {
                             stale.push(p);
+                            elsewhere.insert(p);
                         }
                     }
                     Some((a, _)) => out.extend(a.clone()),
@@ -372,11 +397,27 @@ impl AnnCache {
         .with_timeout(ASK_TIMEOUT);
         let fetched = join_all(stale.into_iter().map(|p| {
             let client = client.clone();
-            async move { (p, ask_or_read(&client, p, stage).await) }
+            let moved = elsewhere.contains(&p);
+            async move { (p, ask_or_read(&client, p, stage, moved).await) }
         }))
         .await;
         let mut map = self.inner.lock();
-        for (p, a) in fetched {
+        for (p, f) in fetched {
+            let a = match f {
+                Fetched::Own(a) => {
+                    self.note_answer(p, now);
+                    Some(a)
+                }
+                Fetched::Read(a) => a,
+                // Still where its copy says: the copy stays (a reader of that stage counts
+                // it), read again here in another [`MOVED_AGE`].
+                Fetched::Elsewhere => {
+                    if let Some(e) = map.get_mut(&p) {
+                        e.1 = now;
+                    }
+                    continue;
+                }
+            };
             out.extend(a.clone());
             map.insert(p, (a, now));
         }
@@ -387,8 +428,19 @@ impl AnnCache {
 /// How long a reader waits for a replica's own answer before it reads the DHT instead.
 const ASK_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// What [`ask_or_read`] found of a peer.
+enum Fetched {
+    /// Its announcement as the replica itself gave it.
+    Own(Announcement),
+    /// The DHT's copy, if any.
+    Read(Option<Announcement>),
+    /// It answered that it serves another stage, as the reader's copy already said.
+    Elsewhere,
+}
+
 /// `peer`'s announcement as the replica itself tells it (an `info` call on stage
-/// `stage`), else the DHT's copy. A walk for a record is a dozen or more DHT requests, each
+/// `stage`), else the DHT's copy; no walk when it answers that it serves another stage and
+/// the reader's copy (`moved`) already names another. A walk for a record is a dozen or more DHT requests, each
 /// answered with the twenty peers closest to the key; in a swarm of 200 those answers were
 /// the largest share of the CPU, while most readers (stage mates, trainers) are connected
 /// to the replica already.
@@ -396,11 +448,19 @@ async fn ask_or_read(
     client: &crate::stage::client::StageClient,
     peer: PeerId,
     stage: usize,
-) -> Option<Announcement> {
-    if let Ok(Some(own)) = ask_announcement(client, peer, stage).await {
-        return Some(own);
+    moved: bool,
+) -> Fetched {
+    match ask_announcement(client, peer, stage).await {
+        Ok(Some(own)) => return Fetched::Own(own),
+        // It moved away, and its provider record here lingers until it expires: every
+        // reader of this stage asked it, was refused and walked the DHT for its record,
+        // every few seconds, while the copy it held said as much.
+        Err(e) if moved && e.kind() == Some(crate::wire::msg::ErrorKind::WrongStage) => {
+            return Fetched::Elsewhere
+        }
+        _ => {}
     }
-    read_announcement(client.net(), peer).await
+    Fetched::Read(read_announcement(client.net(), peer).await)
 }
 
 /// The announcement replica `peer` gives of itself in an `info` answer on stage `stage`
@@ -452,5 +512,21 @@ mod tests {
         let mut few = peers[..5].to_vec();
         sample(&mut few, 16, 7);
         assert_eq!(few.len(), 5);
+    }
+
+    #[test]
+    fn only_answers_since_a_read_began_count_as_that_reads_own() {
+        let cache = AnnCache::new(Duration::from_secs(300));
+        let (p, q) = (PeerId::random(), PeerId::random());
+        let before = Instant::now();
+        cache.note_answer(p, Instant::now());
+        std::thread::sleep(Duration::from_millis(2));
+        let started = Instant::now();
+        assert!(cache.answered_since(&p, before));
+        assert!(!cache.answered_since(&p, started), "an earlier answer is not this read's");
+        assert!(!cache.answered_since(&q, before), "q never answered");
+        std::thread::sleep(Duration::from_millis(2));
+        cache.note_answer(p, Instant::now());
+        assert!(cache.answered_since(&p, started));
     }
 }

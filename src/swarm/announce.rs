@@ -18,6 +18,14 @@ use std::time::{Duration, Instant};
 /// (TTL 135 s); 3 mates keep the default 30 s.
 pub const TTL_PER_MATE: Duration = Duration::from_secs(3);
 
+/// When a replica provides its stage key a second time. The first provide goes to the
+/// peers closest to the key as the replica's routing table had them at once, while it
+/// joined: when 200 peers joined at once those were often not the closest, and trainers'
+/// provider walks then found 4–9 of a stage's ~26 replicas (routing all their work to
+/// those); provided again once the tables filled, they found 14–15 a walk and knew 20–45.
+/// (Kademlia republishes on its own only every third of the provider TTL, a minute.)
+pub const REPROVIDE_AFTER: Duration = Duration::from_secs(8);
+
 /// What a served stage announces, and where it keeps its latest announcement.
 pub(super) struct Refresh {
     pub(super) avg: Arc<crate::averaging::AvgStats>,
@@ -82,17 +90,26 @@ impl Refresh {
     }
 
     /// Announces the replica as a provider of its stage, then again every third of the
-    /// TTL, for as long as the task lives.
+    /// TTL, for as long as the task lives; the first re-announcement comes after at most
+    /// [`REPROVIDE_AFTER`] and provides the stage again.
     pub(super) async fn run(self) {
         if let Err(e) = self.once(true).await {
             tracing::warn!(target: "shoal::peer", "cannot announce the replica: {e}");
         }
+        let mut first = true;
         loop {
             let period = (self.ttl_now() / 3).max(Duration::from_millis(200));
+            // (A short TTL re-announces sooner; the second provide then comes with it.)
+            let period = if first {
+                period.min(REPROVIDE_AFTER)
+            } else {
+                period
+            };
             tokio::time::sleep(period).await;
-            if let Err(e) = self.once(false).await {
+            if let Err(e) = self.once(first).await {
                 tracing::warn!(target: "shoal::peer", "cannot refresh the announcement: {e}");
             }
+            first = false;
         }
     }
 }
