@@ -440,10 +440,10 @@ enum Fetched {
 
 /// `peer`'s announcement as the replica itself tells it (an `info` call on stage
 /// `stage`), else the DHT's copy; no walk when it answers that it serves another stage and
-/// the reader's copy (`moved`) already names another. A walk for a record is a dozen or more DHT requests, each
-/// answered with the twenty peers closest to the key; in a swarm of 200 those answers were
-/// the largest share of the CPU, while most readers (stage mates, trainers) are connected
-/// to the replica already.
+/// the reader's copy (`moved`) already names another. A walk for a record is a dozen or
+/// more DHT requests, each answered with the twenty peers closest to the key; in a swarm of
+/// 200 those answers were the largest share of the CPU, while most readers (stage mates,
+/// trainers) are connected to the replica already.
 async fn ask_or_read(
     client: &crate::stage::client::StageClient,
     peer: PeerId,
