@@ -523,7 +523,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         let started = Instant::now();
         assert!(cache.answered_since(&p, before));
-        assert!(!cache.answered_since(&p, started), "an earlier answer is not this read's");
+        assert!(
+            !cache.answered_since(&p, started),
+            "an earlier answer is not this read's"
+        );
         assert!(!cache.answered_since(&q, before), "q never answered");
         std::thread::sleep(Duration::from_millis(2));
         cache.note_answer(p, Instant::now());
