@@ -265,12 +265,11 @@ pub struct AnnCache {
     miss_age: Duration,
     keep_expired: bool,
     inner: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Cached>>>,
-    /// When each peer last gave its announcement itself to a read (an `info` answer).
-    answered: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Instant>>>,
 }
 
-/// A peer's announcement as last read (`None`: not found), and when.
-type Cached = (Option<Announcement>, Instant);
+/// A peer's announcement as last read (`None`: not found), when, and whether a read got it
+/// from the replica itself (an `info` answer).
+type Cached = (Option<Announcement>, Instant, bool);
 
 type Instant = tokio::time::Instant;
 
@@ -296,7 +295,6 @@ impl AnnCache {
             miss_age: MISS_AGE.min(max_age),
             keep_expired: false,
             inner: Default::default(),
-            answered: Default::default(),
         }
     }
 
@@ -316,25 +314,17 @@ impl AnnCache {
         if ann.peer == peer.to_string() {
             self.inner
                 .lock()
-                .insert(peer, (Some(ann), tokio::time::Instant::now()));
+                .insert(peer, (Some(ann), tokio::time::Instant::now(), false));
         }
     }
 
     /// Whether `peer` gave its announcement itself (so was live) to a read of this cache
     /// at or after `since`.
     pub fn answered_since(&self, peer: &PeerId, since: Instant) -> bool {
-        self.answered
+        self.inner
             .lock()
             .get(peer)
-            .is_some_and(|at| *at >= since)
-    }
-
-    fn note_answer(&self, peer: PeerId, at: Instant) {
-        let mut m = self.answered.lock();
-        if m.len() > CACHED_PEERS {
-            m.clear();
-        }
-        m.insert(peer, at);
+            .is_some_and(|(_, at, own)| *own && *at >= since)
     }
 
     /// A peer not found is looked up again after `d`.
@@ -363,7 +353,7 @@ impl AnnCache {
         {
             let mut map = self.inner.lock();
             let now_ms = dht::now_ms();
-            map.retain(|_, (a, at)| {
+            map.retain(|_, (a, at, _)| {
                 let age = now.duration_since(*at);
                 match a {
                     Some(a) => age < self.max_age && (self.keep_expired || a.expires_ms > now_ms),
@@ -375,13 +365,13 @@ impl AnnCache {
             }
             for p in peers {
                 match map.get(&p) {
-                    Some((Some(a), at)) if a.run != run || a.stage as usize != stage => {
+                    Some((Some(a), at, _)) if a.run != run || a.stage as usize != stage => {
                         if now.duration_since(*at) >= MOVED_AGE {
                             stale.push(p);
                             elsewhere.insert(p);
                         }
                     }
-                    Some((a, _)) => out.extend(a.clone()),
+                    Some((a, _, _)) => out.extend(a.clone()),
                     None => stale.push(p),
                 }
             }
@@ -403,23 +393,20 @@ impl AnnCache {
         .await;
         let mut map = self.inner.lock();
         for (p, f) in fetched {
-            let a = match f {
-                Fetched::Own(a) => {
-                    self.note_answer(p, now);
-                    Some(a)
-                }
-                Fetched::Read(a) => a,
+            let (a, own) = match f {
+                Fetched::Own(a) => (Some(a), true),
+                Fetched::Read(a) => (a, false),
                 // Still where its copy says: the copy stays (a reader of that stage counts
                 // it), read again here in another [`MOVED_AGE`].
                 Fetched::Elsewhere => {
                     if let Some(e) = map.get_mut(&p) {
-                        e.1 = now;
+                        (e.1, e.2) = (now, false);
                     }
                     continue;
                 }
             };
             out.extend(a.clone());
-            map.insert(p, (a, now));
+            map.insert(p, (a, now, own));
         }
         out
     }
@@ -519,7 +506,7 @@ mod tests {
         let cache = AnnCache::new(Duration::from_secs(300));
         let (p, q) = (PeerId::random(), PeerId::random());
         let before = Instant::now();
-        cache.note_answer(p, Instant::now());
+        cache.inner.lock().insert(p, (None, Instant::now(), true));
         std::thread::sleep(Duration::from_millis(2));
         let started = Instant::now();
         assert!(cache.answered_since(&p, before));
@@ -529,7 +516,12 @@ mod tests {
         );
         assert!(!cache.answered_since(&q, before), "q never answered");
         std::thread::sleep(Duration::from_millis(2));
-        cache.note_answer(p, Instant::now());
+        cache.inner.lock().insert(p, (None, Instant::now(), false));
+        assert!(
+            !cache.answered_since(&p, started),
+            "a copy from the DHT is not an answer"
+        );
+        cache.inner.lock().insert(p, (None, Instant::now(), true));
         assert!(cache.answered_since(&p, started));
     }
 }
