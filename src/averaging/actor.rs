@@ -63,6 +63,8 @@ pub(super) struct State {
     /// Mates that answered from another stage, noted by the senders.
     pub(super) moved: super::send::Moved,
     pub(super) round: Option<Round>,
+    /// The step of the latest attempt abandoned at its deadline, and how many in a row.
+    pub(super) timed_out: (u64, u32),
     /// What this replica received for its running round.
     pub(super) tally: Option<Tally>,
     /// The sum this replica froze for its running round.
@@ -210,31 +212,6 @@ impl State {
         self.frozen = None;
     }
 
-    /// Notes that `peer` sent something rejected in round attempt `key`: counted, and a
-    /// strike, which may ban it (then it is forgotten as a member until the ban ends).
-    pub(super) fn reject(&mut self, peer: PeerId, key: round::Key, why: &str) {
-        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
-        self.debug(|| format!("rejected a chunk of {peer}: {why}"));
-        let now = Instant::now();
-        if self.guard.strike(peer, key, why, now) {
-            // What it held is lost to the step, as if it had left.
-            if let Some(v) = self.views.remove(&peer) {
-                self.left_lost += v.count + v.frozen;
-            }
-            self.debug(|| format!("banned {peer}"));
-            // Its part of a running round will not be heard: retry without it now.
-            if self
-                .round
-                .as_ref()
-                .is_some_and(|r| r.members.contains(&peer))
-            {
-                self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
-                self.end_round(false);
-            }
-        }
-        *self.stats.bans.lock() = self.guard.bans();
-    }
-
     /// A debug line of this averager (`RUST_LOG=shoal::averaging=debug`, or `-vv`).
     pub(super) fn debug(&self, what: impl FnOnce() -> String) {
         if tracing::enabled!(target: "shoal::averaging", tracing::Level::DEBUG) {
@@ -363,6 +340,8 @@ impl State {
                     )
                 });
                 self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                let (step, n) = (r.step, self.timed_out);
+                self.timed_out = (step, if n.0 == step { n.1 + 1 } else { 1 });
                 self.end_round(false);
             }
         }

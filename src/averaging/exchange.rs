@@ -22,6 +22,31 @@ fn kept_early(step: u64, now: u64) -> bool {
 }
 
 impl State {
+    /// Notes that `peer` sent something rejected in round attempt `key`: counted, and a
+    /// strike, which may ban it (then it is forgotten as a member until the ban ends).
+    pub(super) fn reject(&mut self, peer: PeerId, key: round::Key, why: &str) {
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        self.debug(|| format!("rejected a chunk of {peer}: {why}"));
+        let now = Instant::now();
+        if self.guard.strike(peer, key, why, now) {
+            // What it held is lost to the step, as if it had left.
+            if let Some(v) = self.views.remove(&peer) {
+                self.left_lost += v.count + v.frozen;
+            }
+            self.debug(|| format!("banned {peer}"));
+            // Its part of a running round will not be heard: retry without it now.
+            if self
+                .round
+                .as_ref()
+                .is_some_and(|r| r.members.contains(&peer))
+            {
+                self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                self.end_round(false);
+            }
+        }
+        *self.stats.bans.lock() = self.guard.bans();
+    }
+
     /// A part or reduced chunk: taken if it is for the running attempt, kept for later if
     /// it is for this step and came before its `Members`, else dropped.
     pub(super) async fn on_round_data(&mut self, m: Inbound) {
@@ -220,6 +245,14 @@ impl State {
             members.len(),
             &uplinks,
         );
+        // Each attempt of a step abandoned at its deadline doubles the next one's: links
+        // not measured yet (or slower than measured) cost a few attempts, not one a floor.
+        let failed = if self.timed_out.0 == step {
+            self.timed_out.1
+        } else {
+            0
+        };
+        let timeout = plan::backoff(timeout, failed);
         // A new attempt replaces any other.
         self.end_round(false);
         let layout = Layout::new(frozen.sum.len(), members.len(), frozen.sum.chunk());

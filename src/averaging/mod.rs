@@ -43,7 +43,8 @@
 //!    one parameter at a time.
 //!
 //! A round that does not finish before its deadline is abandoned; the frozen sums stay, and
-//! the leader starts a new attempt with the members still live. A replica that finds
+//! the leader starts a new attempt with the members still live (each attempt of a step
+//! abandoned so doubles the next one's deadline, up to 8 times). A replica that finds
 //! itself behind (a peer at a later step, or a different parameter hash at the same step as
 //! the leader) downloads the state again ([`sync`]).
 
@@ -457,6 +458,7 @@ impl Averager {
             introduced: HashMap::new(),
             moved,
             round: None,
+            timed_out: (0, 0),
             tally: None,
             frozen: None,
             early: Vec::new(),

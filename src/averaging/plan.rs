@@ -222,6 +222,15 @@ pub fn round_timeout(
     }
 }
 
+/// A round's timeout after `failed` attempts of its step were abandoned at their
+/// deadlines: doubled for each, up to [`MAX_BACKOFF`] times.
+pub fn backoff(timeout: Duration, failed: u32) -> Duration {
+    timeout.saturating_mul(1 << failed.min(MAX_BACKOFF.trailing_zeros()))
+}
+
+/// The most a round's timeout grows by [`backoff`] (a power of two).
+pub const MAX_BACKOFF: u32 = 8;
+
 /// Whether this replica should freeze what it holds for its step now, before any round
 /// begins: its step's batch is full as far as it knows (its samples and those the live
 /// replicas at its step said they hold reach `target`), and it holds unfrozen samples.

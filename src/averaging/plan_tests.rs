@@ -338,6 +338,14 @@ fn round_timeouts_follow_the_slowest_measured_link() {
 }
 
 #[test]
+fn each_attempt_abandoned_at_its_deadline_doubles_the_next_ones_up_to_a_cap() {
+    let t = Duration::from_secs(1);
+    let grown: Vec<u64> = (0..6).map(|n| backoff(t, n).as_secs()).collect();
+    assert_eq!(grown, [1, 2, 4, 8, 8, 8]);
+    assert_eq!(backoff(t, u32::MAX), t * MAX_BACKOFF);
+}
+
+#[test]
 fn a_wait_for_a_laggard_long_ago_does_not_let_a_leader_skip_the_next_one() {
     let c = cfg(32);
     let t0 = Instant::now();
