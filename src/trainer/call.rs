@@ -115,10 +115,36 @@ pub(super) fn settle(
     }
 }
 
-/// How long a replica that failed a call with `e` is avoided (`ban`: the trainer's).
-pub(super) fn ban_for(e: &CallError, ban: Duration) -> Duration {
+/// [`settle`] for a call of `samples` samples that failed with `e`: the replica is avoided
+/// as [`ban_for`] says.
+pub(super) fn settle_failed(ctx: &Ctx, s: usize, peer: PeerId, samples: u64, e: &CallError) {
+    let ban = {
+        let table = ctx.table.lock();
+        let st = table[s].iter().find(|(p, _)| *p == peer).map(|(_, st)| st);
+        ban_for(e, ctx.cfg.ban, st, samples)
+    };
+    settle(ctx, s, peer, samples, Err(ban));
+}
+
+/// The shortest and the longest a replica that refused a call as overloaded is avoided.
+const OVERLOADED_BAN: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(5));
+
+/// How long a replica (`st`, as this trainer knows it) that failed a call of `samples`
+/// samples with `e` is avoided (`ban`: the trainer's). One that refused as overloaded, the
+/// time it takes for such a call ([`OVERLOADED_BAN`] bounds it): its queue has no room
+/// sooner. (A fixed 200 ms was ~9 refused calls in a row per microbatch on stages of 1.8
+/// s a call, 700 refusals a second at 200 peers, each carrying its activations.)
+pub(super) fn ban_for(
+    e: &CallError,
+    ban: Duration,
+    st: Option<&ReplicaState>,
+    samples: u64,
+) -> Duration {
     match e.kind() {
-        Some(ErrorKind::Overloaded) => Duration::from_millis(200),
+        Some(ErrorKind::Overloaded) => {
+            let one = st.map_or(0.0, |st| samples as f64 / st.throughput());
+            Duration::from_secs_f64(one.min(OVERLOADED_BAN.1.as_secs_f64())).max(OVERLOADED_BAN.0)
+        }
         // The replica is fine: the microbatch's step moved on.
         Some(ErrorKind::StepClosed) => Duration::ZERO,
         _ => ban,
@@ -211,7 +237,7 @@ where
                         }
                         return Err(Failure::Failed(format!("stage {s}: {e}")));
                     }
-                    let ban = ban_for(&e, ctx.cfg.ban);
+                    let ban = ban_for(&e, ctx.cfg.ban, entry.as_ref().map(|(_, st)| st), samples);
                     tracing::debug!(target: "shoal::trainer", stage = s, %peer, ms = secs * 1e3, "swap: {e}");
                     if let Some((_, st)) = entry {
                         st.in_flight = st.in_flight.saturating_sub(1);
@@ -227,5 +253,36 @@ where
         if let Some(p) = pause {
             tokio::time::sleep(p).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overloaded_replica_is_avoided_for_the_time_one_call_takes_there() {
+        let refused = |kind| CallError::Remote {
+            kind,
+            message: String::new(),
+            step: 0,
+        };
+        let ban = Duration::from_secs(30);
+        let slow = ReplicaState::announced(2.0, 0);
+        let over = refused(ErrorKind::Overloaded);
+        // 4 samples at 2 samples/s: its queue has room in ~2 s, not 200 ms.
+        assert_eq!(ban_for(&over, ban, Some(&slow), 4), Duration::from_secs(2));
+        // A fast replica: the floor; a very slow one: the cap; unknown: the floor.
+        let fast = ReplicaState::announced(1000.0, 0);
+        assert_eq!(ban_for(&over, ban, Some(&fast), 4), OVERLOADED_BAN.0);
+        let crawl = ReplicaState::announced(0.01, 0);
+        assert_eq!(ban_for(&over, ban, Some(&crawl), 4), OVERLOADED_BAN.1);
+        assert_eq!(ban_for(&over, ban, None, 4), OVERLOADED_BAN.0);
+        // Other failures keep their bans.
+        assert_eq!(
+            ban_for(&refused(ErrorKind::StepClosed), ban, Some(&slow), 4),
+            Duration::ZERO
+        );
+        assert_eq!(ban_for(&CallError::Timeout(ban), ban, Some(&slow), 4), ban);
     }
 }

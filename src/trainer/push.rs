@@ -8,7 +8,7 @@
 //! the forward's answer; a last-stage call that failed after the push gets the forward run
 //! again. No sample is lost to the hop.
 
-use super::call::{ban_for, call_stage, lane, pick, settle, swap_reason, Failure};
+use super::call::{call_stage, lane, pick, settle, settle_failed, swap_reason, Failure};
 use super::{Ctx, Micro, Owed, TrainerStats};
 use crate::stage::client::{BackwardReply, CallError};
 use crate::wire::msg::ErrorKind;
@@ -96,7 +96,7 @@ pub(super) async fn into_last(
             Ok(Hop::Done(to, reply, fwd_step))
         }
         Err(e) => {
-            settle(ctx, last, to, n, Err(ban_for(&e, ctx.cfg.ban)));
+            settle_failed(ctx, last, to, n, &e);
             if e.kind() == Some(ErrorKind::StepClosed) {
                 // The step stage `s` put it in closed at the last stage: start it again.
                 tracing::debug!(target: "shoal::trainer", stage = last, "{e}");
