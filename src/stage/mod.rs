@@ -17,6 +17,7 @@
 //! averaging layers).
 
 pub mod accum;
+pub mod ann_cache;
 pub mod client;
 pub mod exchange;
 pub mod frozen;

@@ -7,6 +7,8 @@ use futures::future::join_all;
 use libp2p::PeerId;
 use std::time::Duration;
 
+pub use super::ann_cache::{announcement_on, ask_announcement, AnnCache, MISS_AGE, MOVED_AGE};
+
 /// Why the run could not be found.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -184,7 +186,7 @@ pub async fn read_stage_counted(
 /// A reader that samples with the same seed keeps the same peers while they stay providers
 /// (a newcomer takes a place only if it ranks before one of them), so its cached copies of
 /// their announcements are read again, not new ones at every sample.
-fn sample(peers: &mut Vec<PeerId>, cap: usize, seed: u64) {
+pub(super) fn sample(peers: &mut Vec<PeerId>, cap: usize, seed: u64) {
     if peers.len() > cap {
         peers.sort_by_cached_key(|p| crate::rng::derive_seed(seed, &p.to_string()));
         peers.truncate(cap);
@@ -249,221 +251,6 @@ pub async fn read_run_with(
     all.into_iter().collect()
 }
 
-/// Announcements read lately, by peer. A reader that re-reads its stages every second
-/// (a trainer's routing table, an averager's membership) fetches a replica's record again
-/// only once its copy is `max_age` old or has expired: in a swarm of 200 the trainers'
-/// refreshes were otherwise ~180 record lookups a second each. A peer
-/// whose record was not found is not looked up again for [`MISS_AGE`]. The providers are
-/// read every time and only theirs are returned, so a replica that withdrew drops out at
-/// once (one that died, when its provider record expires), and a new one is read at once.
-/// A copy stays cached while its peer is missing from a walk's providers: under load a
-/// walk returns a part of them (at 200 peers, averagers dropping and re-reading the rest
-/// were 3,000 record lookups a second).
-#[derive(Debug, Clone)]
-pub struct AnnCache {
-    max_age: Duration,
-    miss_age: Duration,
-    keep_expired: bool,
-    inner: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Cached>>>,
-}
-
-/// A peer's announcement as last read (`None`: not found), when, and whether a read got it
-/// from the replica itself (an `info` answer).
-type Cached = (Option<Announcement>, Instant, bool);
-
-type Instant = tokio::time::Instant;
-
-/// How long a peer whose announcement was not found is not looked up again (its record may
-/// not have spread yet, so not long).
-pub const MISS_AGE: Duration = Duration::from_secs(15);
-
-/// How old a cached copy that names another stage than the one read must be to be read
-/// again (a replica that moved there is seen within it; with a miss's age, 60 s for a
-/// rebalancer, a moved replica stayed invisible on its new stage long enough for others
-/// to move after it).
-pub const MOVED_AGE: Duration = Duration::from_secs(5);
-
-/// Peers an [`AnnCache`] remembers at most (emptied past it).
-const CACHED_PEERS: usize = 8192;
-
-impl AnnCache {
-    /// Copies are reused for `max_age`; a peer not found is looked up again after
-    /// [`MISS_AGE`] (or `max_age` if shorter).
-    pub fn new(max_age: Duration) -> Self {
-        Self {
-            max_age,
-            miss_age: MISS_AGE.min(max_age),
-            keep_expired: false,
-            inner: Default::default(),
-        }
-    }
-
-    /// Copies are kept for `max_age` even once the announcement expired: for readers that
-    /// learn whether the replica is live otherwise (they call it, or it is still a
-    /// provider), and refresh the copy from the replica itself ([`Self::refresh`]). In a
-    /// stage of 45 an announcement lives 135 s, and readers re-read every copy from the
-    /// DHT as often.
-    pub fn past_expiry(mut self) -> Self {
-        self.keep_expired = true;
-        self
-    }
-
-    /// Replaces the copy of `peer`'s announcement by `ann`, which the replica itself sent
-    /// (an `info` answer over a connection that authenticated it).
-    pub fn refresh(&self, peer: PeerId, ann: Announcement) {
-        if ann.peer == peer.to_string() {
-            self.inner
-                .lock()
-                .insert(peer, (Some(ann), tokio::time::Instant::now(), false));
-        }
-    }
-
-    /// Whether `peer` gave its announcement itself (so was live) to a read of this cache
-    /// at or after `since`.
-    pub fn answered_since(&self, peer: &PeerId, since: Instant) -> bool {
-        self.inner
-            .lock()
-            .get(peer)
-            .is_some_and(|(_, at, own)| *own && *at >= since)
-    }
-
-    /// A peer not found is looked up again after `d`.
-    pub fn missing_for(mut self, d: Duration) -> Self {
-        self.miss_age = d;
-        self
-    }
-
-    /// The announcements of `peers`, providers of `stage` of `run` now, fetching at most
-    /// `fetch` (picked at random) of those it holds no usable copy of. A copy that names
-    /// another stage or run is read again once it is [`MOVED_AGE`] old: the replica may
-    /// have moved here (or away: then its provider record here lingers until it expires,
-    /// and its copy is not read at every call meanwhile).
-    async fn read(
-        &self,
-        net: &NetHandle,
-        peers: Vec<PeerId>,
-        (run, stage): (&str, usize),
-        fetch: Option<usize>,
-    ) -> Vec<Announcement> {
-        let now = tokio::time::Instant::now();
-        let mut out = Vec::with_capacity(peers.len());
-        let mut stale = Vec::new();
-        // Stale peers whose copy names another stage or run.
-        let mut elsewhere = std::collections::HashSet::new();
-        {
-            let mut map = self.inner.lock();
-            let now_ms = dht::now_ms();
-            map.retain(|_, (a, at, _)| {
-                let age = now.duration_since(*at);
-                match a {
-                    Some(a) => age < self.max_age && (self.keep_expired || a.expires_ms > now_ms),
-                    None => age < self.miss_age,
-                }
-            });
-            if map.len() > CACHED_PEERS {
-                map.clear();
-            }
-            for p in peers {
-                match map.get(&p) {
-                    Some((Some(a), at, _)) if a.run != run || a.stage as usize != stage => {
-                        if now.duration_since(*at) >= MOVED_AGE {
-                            stale.push(p);
-                            elsewhere.insert(p);
-                        }
-                    }
-                    Some((a, _, _)) => out.extend(a.clone()),
-                    None => stale.push(p),
-                }
-            }
-        }
-        if let Some(most) = fetch {
-            sample(&mut stale, most, dht::now_ms());
-        }
-        let client = crate::stage::client::StageClient::new(
-            net.clone(),
-            run.to_string(),
-            crate::wire::CodecSpec::F32,
-        )
-        .with_timeout(ASK_TIMEOUT);
-        let fetched = join_all(stale.into_iter().map(|p| {
-            let client = client.clone();
-            let moved = elsewhere.contains(&p);
-            async move { (p, ask_or_read(&client, p, stage, moved).await) }
-        }))
-        .await;
-        let mut map = self.inner.lock();
-        for (p, f) in fetched {
-            let (a, own) = match f {
-                Fetched::Own(a) => (Some(a), true),
-                Fetched::Read(a) => (a, false),
-                // Still where its copy says: the copy stays (a reader of that stage counts
-                // it), read again here in another [`MOVED_AGE`].
-                Fetched::Elsewhere => {
-                    if let Some(e) = map.get_mut(&p) {
-                        (e.1, e.2) = (now, false);
-                    }
-                    continue;
-                }
-            };
-            out.extend(a.clone());
-            map.insert(p, (a, now, own));
-        }
-        out
-    }
-}
-
-/// How long a reader waits for a replica's own answer before it reads the DHT instead.
-const ASK_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// What [`ask_or_read`] found of a peer.
-enum Fetched {
-    /// Its announcement as the replica itself gave it.
-    Own(Announcement),
-    /// The DHT's copy, if any.
-    Read(Option<Announcement>),
-    /// It answered that it serves another stage, as the reader's copy already said.
-    Elsewhere,
-}
-
-/// `peer`'s announcement as the replica itself tells it (an `info` call on stage
-/// `stage`), else the DHT's copy; no walk when it answers that it serves another stage and
-/// the reader's copy (`moved`) already names another. A walk for a record is a dozen or
-/// more DHT requests, each answered with the twenty peers closest to the key; in a swarm of
-/// 200 those answers were the largest share of the CPU, while most readers (stage mates,
-/// trainers) are connected to the replica already.
-async fn ask_or_read(
-    client: &crate::stage::client::StageClient,
-    peer: PeerId,
-    stage: usize,
-    moved: bool,
-) -> Fetched {
-    match ask_announcement(client, peer, stage).await {
-        Ok(Some(own)) => return Fetched::Own(own),
-        // It moved away, and its provider record here lingers until it expires: every
-        // reader of this stage asked it, was refused and walked the DHT for its record,
-        // every few seconds, while the copy it held said as much.
-        Err(e) if moved && e.kind() == Some(crate::wire::msg::ErrorKind::WrongStage) => {
-            return Fetched::Elsewhere
-        }
-        _ => {}
-    }
-    Fetched::Read(read_announcement(client.net(), peer).await)
-}
-
-/// The announcement replica `peer` gives of itself in an `info` answer on stage `stage`
-/// (checked by [`Announcement::from_info`]); `None` when the answer carries none that
-/// checks out, an error when the call failed.
-pub async fn ask_announcement(
-    client: &crate::stage::client::StageClient,
-    peer: PeerId,
-    stage: usize,
-) -> Result<Option<Announcement>, crate::stage::client::CallError> {
-    let r = client.info(peer, stage).await?;
-    Ok(r.info
-        .as_deref()
-        .and_then(|j| Announcement::from_info(j.as_bytes(), &peer.to_string()).ok()))
-}
-
 /// Every live announcement of any run (through the peers key).
 pub async fn read_all(net: &NetHandle) -> Result<Vec<Announcement>, NetError> {
     let providers = net
@@ -499,29 +286,5 @@ mod tests {
         let mut few = peers[..5].to_vec();
         sample(&mut few, 16, 7);
         assert_eq!(few.len(), 5);
-    }
-
-    #[test]
-    fn only_answers_since_a_read_began_count_as_that_reads_own() {
-        let cache = AnnCache::new(Duration::from_secs(300));
-        let (p, q) = (PeerId::random(), PeerId::random());
-        let before = Instant::now();
-        cache.inner.lock().insert(p, (None, Instant::now(), true));
-        std::thread::sleep(Duration::from_millis(2));
-        let started = Instant::now();
-        assert!(cache.answered_since(&p, before));
-        assert!(
-            !cache.answered_since(&p, started),
-            "an earlier answer is not this read's"
-        );
-        assert!(!cache.answered_since(&q, before), "q never answered");
-        std::thread::sleep(Duration::from_millis(2));
-        cache.inner.lock().insert(p, (None, Instant::now(), false));
-        assert!(
-            !cache.answered_since(&p, started),
-            "a copy from the DHT is not an answer"
-        );
-        cache.inner.lock().insert(p, (None, Instant::now(), true));
-        assert!(cache.answered_since(&p, started));
     }
 }

@@ -1,4 +1,5 @@
-//! Which stage of this run a peer serves, as its signed DHT announcement says, cached: a
+//! Which stage of this run a peer serves, as its signed announcement says (the one it
+//! gives of itself when asked, else the DHT's copy; [`registry::announcement_on`]), cached: a
 //! replica pushes its activations only to an announced replica of the next stage, and
 //! takes pushes only from an announced replica of the stage before. Without the check a
 //! caller could make a replica send activations to any peer it names, and any peer could
@@ -74,7 +75,7 @@ impl Neighbours {
         if let Some(answer) = cached(entry, want, Instant::now()) {
             return answer;
         }
-        let announced = registry::read_announcement(&self.net, peer)
+        let announced = registry::announcement_on(&self.net, &self.run, peer, stage)
             .await
             .filter(|a| a.run == self.run)
             .map(|a| a.stage);
