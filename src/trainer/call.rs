@@ -165,7 +165,8 @@ where
     Fut: Future<Output = Result<T, CallError>>,
 {
     let mut last_usable = Instant::now();
-    let mut last_err = String::from("no replica announced");
+    // What this call last met; none when it never got to call (see below).
+    let mut last_err: Option<String> = None;
     let mut first = true;
     let mut stale = 0u32;
     loop {
@@ -174,8 +175,17 @@ where
         first = false;
         let Some(peer) = pick else {
             if last_usable.elapsed() >= ctx.cfg.stage_deadline {
+                // Never called: either none is known, or every one known was avoided after
+                // failures of other calls the whole time (the label said "no replica
+                // announced" for both, which sent a diagnosis the wrong way).
+                let why = last_err
+                    .clone()
+                    .unwrap_or_else(|| match ctx.table.lock()[s].len() {
+                        0 => "no replica announced".to_string(),
+                        n => format!("all {n} known avoided after failures"),
+                    });
                 return Err(Failure::Failed(format!(
-                    "stage {s}: no usable replica for {:?} ({last_err})",
+                    "stage {s}: no usable replica for {:?} ({why})",
                     ctx.cfg.stage_deadline
                 )));
             }
@@ -245,7 +255,7 @@ where
                     }
                     ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
                     TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
-                    last_err = format!("{peer}: {e}");
+                    last_err = Some(format!("{peer}: {e}"));
                     None
                 }
             }
