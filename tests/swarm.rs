@@ -809,10 +809,17 @@ async fn a_trained_state_of_more_chunks_than_one_header_holds_is_downloaded_whol
     wait_trainers(&t, Duration::from_secs(120)).await;
     let donor = s.peers.iter().find(|p| p.stage() == Some(0)).unwrap();
     let t0 = Instant::now();
-    while donor.service().unwrap().step() < 2 {
+    // Every microbatch done and applied (none held toward a step): the donor's state no
+    // longer moves. (Waiting for step 2 alone let the third step land between the reading
+    // below and the joiner's download once, on a loaded machine.)
+    loop {
+        let st = donor.service().unwrap().status();
+        if st.params_step >= 2 && st.accum_count + st.frozen_count == 0 {
+            break;
+        }
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "stage 0 did not step"
+            "stage 0 did not step: {st:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
