@@ -315,13 +315,12 @@ pub(super) async fn bulk_sender(
                     .map_or(0, |(h, _)| h.elements());
                 let started = Instant::now();
                 meter.lock().start(started);
-                let frame_ref = Some(frame.as_slice());
                 let ok = send_one(
                     &client,
                     stage,
                     job.peer,
                     &job.msg,
-                    frame_ref,
+                    Some(&frame),
                     &moved,
                     || is_live(job.key),
                 )

@@ -83,8 +83,8 @@ pub const MOVED_AGE: Duration = Duration::from_secs(5);
 const CACHED_PEERS: usize = 8192;
 
 impl AnnCache {
-    /// Copies are reused for `max_age`; a peer not found is looked up again after
-    /// [`MISS_AGE`] (or `max_age` if shorter).
+    /// Copies are reused for `max_age`; a peer not found waits at most [`MISS_AGE`] (or
+    /// `max_age` if shorter) before it is looked up again.
     pub fn new(max_age: Duration) -> Self {
         Self {
             max_age,
@@ -124,7 +124,8 @@ impl AnnCache {
             .is_some_and(|c| c.own && c.at >= since)
     }
 
-    /// A peer not found is looked up again after `d`.
+    /// A peer not found waits at most `d` before it is looked up again (the first misses
+    /// in a row wait less: `miss_wait`).
     pub fn missing_for(mut self, d: Duration) -> Self {
         self.miss_age = d;
         self
@@ -147,6 +148,7 @@ impl AnnCache {
         let mut stale = Vec::new();
         // Stale peers whose copy names another stage or run.
         let mut elsewhere = std::collections::HashSet::new();
+        let moved = |a: &Announcement| a.run != run || a.stage as usize != stage;
         {
             let mut map = self.inner.lock();
             let now_ms = dht::now_ms();
@@ -167,7 +169,6 @@ impl AnnCache {
                     continue;
                 };
                 let age = now.duration_since(c.at);
-                let moved = |a: &Announcement| a.run != run || a.stage as usize != stage;
                 match &c.ann {
                     Some(a) if moved(a) && age >= MOVED_AGE => {
                         stale.push(p);
@@ -183,12 +184,7 @@ impl AnnCache {
         if let Some(most) = fetch {
             sample(&mut stale, most, dht::now_ms());
         }
-        let client = crate::stage::client::StageClient::new(
-            net.clone(),
-            run.to_string(),
-            crate::wire::CodecSpec::F32,
-        )
-        .with_timeout(ASK_TIMEOUT);
+        let client = asking_client(net, run);
         let fetched = join_all(stale.into_iter().map(|p| {
             let client = client.clone();
             let moved = elsewhere.contains(&p);
@@ -229,6 +225,16 @@ impl AnnCache {
 
 /// How long a reader waits for a replica's own answer before it reads the DHT instead.
 const ASK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A client for the `info` calls that ask replicas of `run` for their announcements.
+fn asking_client(net: &NetHandle, run: &str) -> crate::stage::client::StageClient {
+    crate::stage::client::StageClient::new(
+        net.clone(),
+        run.to_string(),
+        crate::wire::CodecSpec::F32,
+    )
+    .with_timeout(ASK_TIMEOUT)
+}
 
 /// What [`ask_or_read`] found of a peer.
 enum Fetched {
@@ -276,13 +282,7 @@ pub async fn announcement_on(
     peer: PeerId,
     stage: usize,
 ) -> Option<Announcement> {
-    let client = crate::stage::client::StageClient::new(
-        net.clone(),
-        run.to_string(),
-        crate::wire::CodecSpec::F32,
-    )
-    .with_timeout(ASK_TIMEOUT);
-    match ask_or_read(&client, peer, stage, true).await {
+    match ask_or_read(&asking_client(net, run), peer, stage, true).await {
         Fetched::Own(a) => Some(a),
         Fetched::Read(a) => a,
         Fetched::Elsewhere => None,
