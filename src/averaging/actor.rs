@@ -104,6 +104,8 @@ impl State {
         let progress = self.service.progress();
         let (mtx, mut mrx) = mpsc::channel::<Vec<(PeerId, Vec<Multiaddr>)>>(1);
         let mut next_membership = Instant::now();
+        // Membership reads in a row that found no mate not known before.
+        let mut quiet = 0;
         // One DHT lookup of the stage's replicas at a time.
         let mut lookup: Option<tokio::task::JoinHandle<()>> = None;
         let cache = registry::AnnCache::new(super::MEMBERSHIP_MAX_AGE)
@@ -126,11 +128,13 @@ impl State {
                     // heartbeats went to it for ever, a failed dial each).
                     self.looked_up = true;
                     self.known.retain(|k| peers.iter().any(|(p, _)| p == k));
+                    quiet += 1;
                     for (p, addrs) in peers {
                         if p != self.me {
                             let _ = self.client.net().add_addresses(p, addrs).await;
                             if !self.known.contains(&p) {
                                 self.known.push(p);
+                                quiet = 0;
                             }
                         }
                     }
@@ -161,7 +165,8 @@ impl State {
             }
             let idle = lookup.as_ref().is_none_or(|h| h.is_finished());
             if Instant::now() >= next_membership && idle {
-                next_membership = Instant::now() + self.cfg.membership_every;
+                next_membership = Instant::now()
+                    + super::mates::membership_wait(self.cfg.membership_every, quiet);
                 lookup = Some(self.look_up_members(&cache, mtx.clone()));
             }
             let span = self.round_span();

@@ -62,6 +62,14 @@ pub enum NetError {
         /// Why.
         cause: String,
     },
+    /// No connection to the peer could be made (no address known, or every dial failed).
+    #[error("cannot open a stream to {peer}: {cause}")]
+    Unreachable {
+        /// The peer.
+        peer: String,
+        /// Why.
+        cause: String,
+    },
     /// The remote peer speaks an incompatible protocol.
     #[error("refused {peer}: {reason}")]
     Refused {
@@ -416,13 +424,13 @@ impl NetHandle {
         peer: PeerId,
         protocol: StreamProtocol,
     ) -> Result<Stream, NetError> {
-        self.control
-            .open_stream(peer, protocol)
-            .await
-            .map_err(|e| NetError::Stream {
-                peer: peer.to_string(),
-                cause: e.to_string(),
-            })
+        self.control.open_stream(peer, protocol).await.map_err(|e| {
+            let (peer, cause) = (peer.to_string(), e.to_string());
+            match e {
+                streams::OpenError::Dial(_) => NetError::Unreachable { peer, cause },
+                _ => NetError::Stream { peer, cause },
+            }
+        })
     }
 
     /// Accepts inbound streams of `protocol` (once per protocol) through a default lane:

@@ -4,7 +4,8 @@
 
 use super::registry::{read_announcement, sample};
 use crate::dht::{self, Announcement};
-use crate::net::NetHandle;
+use crate::net::{NetError, NetHandle};
+use crate::stage::client::CallError;
 use futures::future::join_all;
 use libp2p::PeerId;
 use std::time::Duration;
@@ -105,12 +106,13 @@ impl AnnCache {
     }
 
     /// Replaces the copy of `peer`'s announcement by `ann`, which the replica itself sent
-    /// (an `info` answer over a connection that authenticated it).
+    /// (an `info` answer over a connection that authenticated it): it counts as an answer
+    /// ([`Self::answered_since`]).
     pub fn refresh(&self, peer: PeerId, ann: Announcement) {
         if ann.peer == peer.to_string() {
             self.inner.lock().insert(
                 peer,
-                Cached::new(Some(ann), tokio::time::Instant::now(), false),
+                Cached::new(Some(ann), tokio::time::Instant::now(), true),
             );
         }
     }
@@ -196,6 +198,7 @@ impl AnnCache {
             let (a, own) = match f {
                 Fetched::Own(a) => (Some(a), true),
                 Fetched::Read(a) => (a, false),
+                Fetched::Unanswered => (None, false),
                 // Still where its copy says: the copy stays (a reader of that stage counts
                 // it), read again here in another [`MOVED_AGE`].
                 Fetched::Elsewhere => {
@@ -244,11 +247,14 @@ enum Fetched {
     Read(Option<Announcement>),
     /// It answered that it serves another stage, as the reader's copy already said.
     Elsewhere,
+    /// It was reached and did not answer with an announcement (the DHT was not read).
+    Unanswered,
 }
 
 /// `peer`'s announcement as the replica itself tells it (an `info` call on stage
-/// `stage`), else the DHT's copy; no walk when it answers that it serves another stage and
-/// the reader's copy (`moved`) already names another. A walk for a record is a dozen or
+/// `stage`); the DHT's copy only when it could not be reached (the copy may carry
+/// addresses that reach it); [`Fetched::Elsewhere`] when it answers that it serves another
+/// stage, as the reader's copy (`moved`) said. A walk for a record is a dozen or
 /// more DHT requests, each answered with the twenty peers closest to the key; in a swarm of
 /// 200 those answers were the largest share of the CPU, while most readers (stage mates,
 /// trainers) are connected to the replica already.
@@ -266,7 +272,14 @@ async fn ask_or_read(
         Err(e) if moved && e.kind() == Some(crate::wire::msg::ErrorKind::WrongStage) => {
             return Fetched::Elsewhere
         }
-        _ => {}
+        // Its record may carry addresses that reach it.
+        Err(CallError::Net(NetError::Unreachable { .. })) => {}
+        // It is there and did not answer in time, or answered without an announcement
+        // (it is starting, or leaving), or serves another stage now (where readers of
+        // that stage find it): its record, if any, tells no more. While 200 peers joined
+        // at once, most asks timed out on the busy cores and each was followed by a walk
+        // for the record, ~2,000 DHT requests a second.
+        _ => return Fetched::Unanswered,
     }
     Fetched::Read(read_announcement(client.net(), peer).await)
 }
@@ -285,7 +298,7 @@ pub async fn announcement_on(
     match ask_or_read(&asking_client(net, run), peer, stage, true).await {
         Fetched::Own(a) => Some(a),
         Fetched::Read(a) => a,
-        Fetched::Elsewhere => None,
+        Fetched::Elsewhere | Fetched::Unanswered => None,
     }
 }
 

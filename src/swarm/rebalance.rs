@@ -15,9 +15,19 @@ use std::time::{Duration, Instant};
 /// whatever its size (each check reads and calls up to [`LIVE_SAMPLE`](super::serving::LIVE_SAMPLE) replicas a stage).
 const MATES_PER_PERIOD: u64 = 8;
 
-/// How soon a peer checks for an empty stage after it starts serving, and again while one
-/// is empty and another stage has a replica to spare (randomised ×0.5–1.5).
+/// How soon a peer checks for an empty stage after it starts serving (randomised
+/// ×0.5–1.5); while one looks empty and another stage has a replica to spare, each check
+/// that moved nothing doubles the wait before the next ([`fill_pause`]).
 const FILL_CHECK: Duration = Duration::from_secs(1);
+
+/// The wait before a fast check after `idle` fast checks in a row that moved nothing:
+/// [`FILL_CHECK`] doubled per such check, at most `period`. While 200 peers joined at
+/// once, every stage looked empty to most of them until the replicas' provider records
+/// spread (a minute on the busy cores), and 177 peers checking every second walked the DHT
+/// and called replicas ~700 times a second, which slowed the spreading they waited for.
+fn fill_pause(idle: u32, period: Duration) -> Duration {
+    FILL_CHECK.saturating_mul(1 << idle.min(16)).min(period)
+}
 
 /// A replica that vanished from the announcements is still counted where it was for this
 /// long when filling empty stages: it may be moving (it withdrew, and announces on its new
@@ -40,10 +50,12 @@ pub(super) async fn rebalance_loop(
     let me = ctx.net.local_peer_id().to_string();
     let count = ctx.manifest.config.stages.count;
     let mut fast = true;
+    // Fast checks in a row that moved nothing.
+    let mut idle = 0;
     let mut seen: std::collections::HashMap<String, (usize, Instant)> = Default::default();
     loop {
         let pause = if fast {
-            FILL_CHECK
+            fill_pause(idle, period)
         } else {
             period * crowd(&slot)
         };
@@ -76,7 +88,9 @@ pub(super) async fn rebalance_loop(
             // that filled such stages piled 70 replicas onto one. (One whose replicas were
             // read and did not answer is empty: filled at once.)
             let unknown = |s: usize| live.unread.get(s).is_some_and(|&n| n > 0);
+            idle += 1;
             if let Some(target) = select::fill_empty(count, &placed, &me).filter(|&t| !unknown(t)) {
+                idle = 0;
                 move_to(
                     &ctx,
                     &slot,
@@ -102,7 +116,7 @@ pub(super) async fn rebalance_loop(
             continue;
         }
         move_to(&ctx, &slot, &moving, &moves, (mine, target), &live).await;
-        fast = true;
+        (fast, idle) = (true, 0);
     }
 }
 
@@ -160,4 +174,22 @@ async fn move_to(
         }
     };
     *slot.lock() = serving;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_checks_that_move_nothing_come_less_and_less_often_up_to_the_period() {
+        let period = Duration::from_secs(60);
+        let waits: Vec<u64> = (0..9).map(|n| fill_pause(n, period).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+        // A short period (tests rebalance every second or two) bounds even the first.
+        assert_eq!(
+            fill_pause(0, Duration::from_millis(500)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(fill_pause(u32::MAX, period), period);
+    }
 }
