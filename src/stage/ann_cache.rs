@@ -106,13 +106,12 @@ impl AnnCache {
     }
 
     /// Replaces the copy of `peer`'s announcement by `ann`, which the replica itself sent
-    /// (an `info` answer over a connection that authenticated it): it counts as an answer
-    /// ([`Self::answered_since`]).
+    /// (an `info` answer over a connection that authenticated it).
     pub fn refresh(&self, peer: PeerId, ann: Announcement) {
         if ann.peer == peer.to_string() {
             self.inner.lock().insert(
                 peer,
-                Cached::new(Some(ann), tokio::time::Instant::now(), true),
+                Cached::new(Some(ann), tokio::time::Instant::now(), false),
             );
         }
     }

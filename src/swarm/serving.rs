@@ -107,8 +107,7 @@ impl Ctx {
     /// then refreshed by the replica's answers. This peer's own announcement counts without
     /// a call, and so does a replica whose copy the read just fetched from the replica
     /// itself (every read of a replica not cached yet was two calls otherwise: ~1,300 a
-    /// second at 120 peers in the minute after the join), or that answered within
-    /// [`LIVE_FRESH`] in a stage read in part.
+    /// second at 120 peers in the minute after the join).
     pub(super) async fn live(
         &self,
         most: usize,
@@ -141,10 +140,6 @@ impl Ctx {
             self.manifest.config.codecs.activations.wire(),
         )
         .with_timeout(Duration::from_secs(2));
-        // In a stage read in part (more providers than the sample) a replica that answered
-        // lately counts without a call: its count is an estimate already, and at 200 peers
-        // the calls of every rebalancing check were ~500 a second.
-        let fresh = started.checked_sub(LIVE_FRESH).unwrap_or(started);
         let checks = futures::future::join_all(
             per_stage
                 .into_iter()
@@ -153,11 +148,9 @@ impl Ctx {
                 .map(|a| {
                     let client = client.clone();
                     let anns = self.anns.clone();
-                    let part = scale.get(a.stage as usize).is_some_and(|&s| s > 1.0);
-                    let since = if part { fresh } else { started };
                     async move {
                         let peer: PeerId = a.peer.parse().ok()?;
-                        if anns.answered_since(&peer, since) {
+                        if anns.answered_since(&peer, started) {
                             return Some(a);
                         }
                         let addrs: Vec<Multiaddr> =
@@ -511,10 +504,6 @@ pub(super) const JOIN_SAMPLE: usize = 6;
 /// timeout, for stages that mostly had no provider yet; a choice from part of the
 /// providers is refined by rebalancing.
 pub(super) const JOIN_PATIENCE: Duration = Duration::from_secs(3);
-
-/// How recently a replica must have answered this peer for [`Ctx::live`] to count it
-/// without a call, in a stage with more providers than the sample.
-const LIVE_FRESH: Duration = Duration::from_secs(30);
 
 /// Seed of the providers a peer samples (with its own id: each peer samples others).
 const LIVE_SEED: u64 = 0x11fe;
