@@ -1,9 +1,13 @@
 //! Joining a swarm and staying in it: dialling the bootstrap addresses with backoff, and
 //! re-dialling the ones a running peer lost, so peers that started apart (or lost their
-//! only link) end up in one DHT. Also the background tasks a peer holds.
+//! only link) end up in one DHT; taking up the run (its manifest fetched, and kept alive in
+//! the DHT). Also the background tasks a peer holds.
 
-use super::peer::PeerError;
+use super::peer::{PeerConfig, PeerError, RunSource, MANIFEST_TTL};
+use crate::dht::{self, Manifest};
 use crate::net::{self, NetHandle};
+use crate::stage::registry;
+use crate::tasks::Tasks;
 use libp2p::Multiaddr;
 use std::time::Duration;
 
@@ -37,6 +41,58 @@ pub async fn join(net: &NetHandle, bootstrap: &[Multiaddr]) -> Result<(), PeerEr
         net.bootstrap().await?;
         return Ok(());
     }
+}
+
+/// The run this peer takes part in: `from_file` (the peer publishes it), or the manifest
+/// fetched from the DHT by the id `cfg.run` names (stored again beside the start); either
+/// way kept alive in the DHT for as long as `tasks` run.
+pub(super) async fn take_up_run(
+    net: &NetHandle,
+    cfg: &PeerConfig,
+    from_file: Option<Manifest>,
+    tasks: &Tasks,
+) -> Result<Manifest, PeerError> {
+    let fetched = from_file.is_none();
+    let manifest = match (from_file, &cfg.run) {
+        (Some(m), _) => m,
+        (None, RunSource::Id(id)) => {
+            registry::fetch_manifest(net, id, Duration::from_secs(10)).await?
+        }
+        (None, RunSource::File(p)) => Manifest::load(p)?,
+    };
+    let ttl = cfg.announce_ttl.max(MANIFEST_TTL);
+    // The run's publisher stores the manifest before anything else; a joiner stores the
+    // copy it found beside its start, not before it (the walk took seconds of every
+    // joiner's start when 200 joined at once).
+    if fetched {
+        let (net, manifest) = (net.clone(), manifest.clone());
+        tasks.spawn(async move {
+            if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
+                tracing::warn!(target: "shoal::peer", "cannot store the manifest: {e}");
+            }
+        });
+    } else {
+        registry::publish_manifest(net, &manifest, ttl).await?;
+    }
+    // Every peer keeps the manifest alive (a bootstrap that serves no stage too), each
+    // at its own random times within a third of the record's TTL.
+    {
+        let (net, manifest) = (net.clone(), manifest.clone());
+        let mut rng = crate::rng::Rng::new(crate::rng::derive_seed(
+            dht::now_ms(),
+            &net.local_peer_id().to_string(),
+        ));
+        tasks.spawn(async move {
+            loop {
+                let period = (ttl / 3).mul_f64(0.5 + rng.next_f64() / 2.0);
+                tokio::time::sleep(period.max(Duration::from_millis(200))).await;
+                if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
+                    tracing::warn!(target: "shoal::peer", "cannot republish the manifest: {e}");
+                }
+            }
+        });
+    }
+    Ok(manifest)
 }
 
 /// Dials every address at once and returns as soon as one answers (`None`; the other dials

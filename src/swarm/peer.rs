@@ -14,8 +14,8 @@
 //! replicas there.
 
 use super::events::{Event, Observer};
-use super::join::rejoin_loop;
 pub use super::join::{join, BOOTSTRAP_PATIENCE, REJOIN_EVERY};
+use super::join::{rejoin_loop, take_up_run};
 use super::rebalance::rebalance_loop;
 use super::serving::{Ctx, Slot};
 use crate::averaging::sync::{SyncError, SyncReport};
@@ -24,7 +24,7 @@ use crate::config::StageKind;
 use crate::dht::{self, Manifest, ManifestError};
 use crate::model::ModelError;
 use crate::net::{self, NetConfig, NetError, NetHandle};
-use crate::stage::registry::{self, RegistryError};
+use crate::stage::registry::RegistryError;
 use crate::stage::select;
 use crate::stage::service::{ReplicaStatus, ServiceConfig, StageService};
 use crate::tasks::Tasks;
@@ -279,46 +279,7 @@ impl Peer {
             cfg.bootstrap.clone(),
             cfg.rejoin_every,
         ));
-        let fetched = from_file.is_none();
-        let manifest = match (from_file, &cfg.run) {
-            (Some(m), _) => m,
-            (None, RunSource::Id(id)) => {
-                registry::fetch_manifest(&net, id, Duration::from_secs(10)).await?
-            }
-            (None, RunSource::File(p)) => Manifest::load(p)?,
-        };
-        let ttl = cfg.announce_ttl.max(MANIFEST_TTL);
-        // The run's publisher stores the manifest before anything else; a joiner stores the
-        // copy it found beside its start, not before it (the walk took seconds of every
-        // joiner's start when 200 joined at once).
-        if fetched {
-            let (net, manifest) = (net.clone(), manifest.clone());
-            tasks.spawn(async move {
-                if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
-                    tracing::warn!(target: "shoal::peer", "cannot store the manifest: {e}");
-                }
-            });
-        } else {
-            registry::publish_manifest(&net, &manifest, ttl).await?;
-        }
-        // Every peer keeps the manifest alive (a bootstrap that serves no stage too), each
-        // at its own random times within a third of the record's TTL.
-        {
-            let (net, manifest) = (net.clone(), manifest.clone());
-            let mut rng = crate::rng::Rng::new(crate::rng::derive_seed(
-                dht::now_ms(),
-                &net.local_peer_id().to_string(),
-            ));
-            tasks.spawn(async move {
-                loop {
-                    let period = (ttl / 3).mul_f64(0.5 + rng.next_f64() / 2.0);
-                    tokio::time::sleep(period.max(Duration::from_millis(200))).await;
-                    if let Err(e) = registry::publish_manifest(&net, &manifest, ttl).await {
-                        tracing::warn!(target: "shoal::peer", "cannot republish the manifest: {e}");
-                    }
-                }
-            });
-        }
+        let manifest = take_up_run(&net, &cfg, from_file, &tasks).await?;
         emit(Event::Run {
             id: manifest.id.clone(),
         });
@@ -331,7 +292,6 @@ impl Peer {
                 manifest.id
             )));
         }
-        let count = manifest.config.stages.count;
         let ctx = Arc::new(Ctx {
             net: net.clone(),
             manifest: manifest.clone(),
@@ -353,24 +313,7 @@ impl Peer {
                 .await?
             }
         };
-        let stage_idx = match cfg.stage {
-            StageChoice::Index(i) if i < count => Some(i),
-            StageChoice::Index(i) => {
-                return Err(PeerError::Invalid(format!(
-                    "--stage {i} is out of range: run {} has stages 0..{}",
-                    manifest.id,
-                    count - 1
-                )))
-            }
-            StageChoice::Auto => {
-                // Ties (empty stages, when peers start together) are broken by peer id,
-                // so joiners spread; the rebalancer fills a stage still empty in seconds.
-                let me = net.local_peer_id().to_string();
-                let pick = crate::rng::derive_seed(0, &me) as usize;
-                Some(select::weakest_of(&live.loads(), pick).unwrap_or(0))
-            }
-            StageChoice::None => None,
-        };
+        let stage_idx = choose_stage(&cfg, &manifest, &net, &live)?;
         let mut peer = Self {
             ctx: Arc::clone(&ctx),
             addrs,
@@ -387,49 +330,63 @@ impl Peer {
             let serving = ctx.serve(stage_idx, &live.per_stage[stage_idx]).await?;
             *peer.slot.lock() = Some(serving);
             if let Some(period) = cfg.rebalance {
-                let seed = crate::rng::derive_seed(
-                    crate::dht::now_ms(),
-                    &format!("{}/rebalance", net.local_peer_id()),
-                );
-                peer.rebalancer.spawn(rebalance_loop(
-                    Arc::clone(&ctx),
-                    Arc::clone(&peer.slot),
-                    Arc::clone(&peer.moving),
-                    Arc::clone(&peer.moves),
-                    period,
-                    seed,
-                ));
+                peer.start_rebalancer(period);
             }
         }
+        peer.start_trainers(&cfg).await?;
+        Ok(peer)
+    }
+
+    /// Starts moving this peer's replica where the swarm needs it, now and then
+    /// ([`rebalance_loop`]).
+    fn start_rebalancer(&mut self, period: Duration) {
+        let net = &self.ctx.net;
+        let seed = crate::rng::derive_seed(
+            crate::dht::now_ms(),
+            &format!("{}/rebalance", net.local_peer_id()),
+        );
+        self.rebalancer.spawn(rebalance_loop(
+            Arc::clone(&self.ctx),
+            Arc::clone(&self.slot),
+            Arc::clone(&self.moving),
+            Arc::clone(&self.moves),
+            period,
+            seed,
+        ));
+    }
+
+    /// Starts the `cfg.trainers` trainer loops. Trainers beside a stage get a network node
+    /// of their own (a fresh identity, joined through this peer): a libp2p node cannot dial
+    /// itself, so on this peer's node they could never call its own stage, and a swarm of
+    /// one replica per stage with a trainer in every peer never trained.
+    async fn start_trainers(&mut self, cfg: &PeerConfig) -> Result<(), PeerError> {
+        let net = self.ctx.net.clone();
         let me = net.local_peer_id().to_string();
-        // Trainers beside a stage get a network node of their own (a fresh identity,
-        // joined through this peer): a libp2p node cannot dial itself, so on this peer's
-        // node they could never call its own stage, and a swarm of one replica per stage
-        // with a trainer in every peer never trained.
-        let tnet = if cfg.trainers > 0 && stage_idx.is_some() && !peer.addrs.is_empty() {
+        let serving = self.slot.lock().is_some();
+        let tnet = if cfg.trainers > 0 && serving && !self.addrs.is_empty() {
             let mut tc = cfg.net.clone();
             tc.identity = libp2p::identity::Keypair::generate_ed25519();
             tc.listen.clear();
             tc.dht_server = false;
             let tnet = net::start(tc)?;
-            join(&tnet, &peer.addrs).await?;
-            peer.trainer_net = Some(tnet.clone());
+            join(&tnet, &self.addrs).await?;
+            self.trainer_net = Some(tnet.clone());
             tnet
         } else {
-            net.clone()
+            net
         };
         for i in 0..cfg.trainers {
             let mut tcfg = cfg.trainer.clone();
             tcfg.index = crate::rng::derive_seed(cfg.trainer.index, &format!("{me}/{i}"));
-            peer.trainers
-                .push(Trainer::spawn(tnet.clone(), &manifest, tcfg)?);
+            self.trainers
+                .push(Trainer::spawn(tnet.clone(), &self.ctx.manifest, tcfg)?);
         }
         if cfg.trainers > 0 {
-            (ctx.emit)(Event::Trainers {
+            (self.ctx.emit)(Event::Trainers {
                 loops: cfg.trainers,
             });
         }
-        Ok(peer)
+        Ok(())
     }
 
     /// The trainer loops.
@@ -550,6 +507,34 @@ impl Peer {
         }
         self.ctx.net.shutdown().await;
     }
+}
+
+/// The stage a starting peer serves, if any: the one `cfg.stage` names, or with `auto` the
+/// weakest in `live` (ties, such as empty stages when peers start together, broken by peer
+/// id, so joiners spread; the rebalancer fills a stage still empty in seconds).
+fn choose_stage(
+    cfg: &PeerConfig,
+    manifest: &Manifest,
+    net: &NetHandle,
+    live: &select::Sampled,
+) -> Result<Option<usize>, PeerError> {
+    let count = manifest.config.stages.count;
+    Ok(match cfg.stage {
+        StageChoice::Index(i) if i < count => Some(i),
+        StageChoice::Index(i) => {
+            return Err(PeerError::Invalid(format!(
+                "--stage {i} is out of range: run {} has stages 0..{}",
+                manifest.id,
+                count - 1
+            )))
+        }
+        StageChoice::Auto => {
+            let me = net.local_peer_id().to_string();
+            let pick = crate::rng::derive_seed(0, &me) as usize;
+            Some(select::weakest_of(&live.loads(), pick).unwrap_or(0))
+        }
+        StageChoice::None => None,
+    })
 }
 
 impl Drop for Peer {
