@@ -1,6 +1,6 @@
 //! The copies of announcements a reader keeps ([`AnnCache`]), and how a copy is fetched:
 //! from the replica itself (an `info` answer, over a connection that authenticated it),
-//! else from the DHT.
+//! or from the DHT when the replica could not be reached.
 
 use super::registry::{read_announcement, sample};
 use crate::dht::{self, Announcement};
@@ -246,7 +246,8 @@ enum Fetched {
     Read(Option<Announcement>),
     /// It answered that it serves another stage, as the reader's copy already said.
     Elsewhere,
-    /// It was reached and did not answer with an announcement (the DHT was not read).
+    /// It did not answer with an announcement (the call timed out or was refused, or the
+    /// answer carried none); the DHT was not read.
     Unanswered,
 }
 
@@ -284,8 +285,9 @@ async fn ask_or_read(
 }
 
 /// `peer`'s announcement if it serves `stage` of `run`: as the replica itself gives it (an
-/// `info` call), else the DHT's copy; `None` when it answers that it serves another stage,
-/// or no copy is found. For a peer this one exchanges stage calls with (connected, or about
+/// `info` call), or the DHT's copy when it cannot be reached; `None` when it answers that
+/// it serves another stage or without an announcement, does not answer in time, or no copy
+/// is found. For a peer this one exchanges stage calls with (connected, or about
 /// to be): a replica checking its neighbours walked the DHT once per peer of the stages
 /// beside it, 10–20 record walks a second in a swarm of 200.
 pub async fn announcement_on(

@@ -1,9 +1,10 @@
 //! Which stage of this run a peer serves, as its signed announcement says (the one it
-//! gives of itself when asked, else the DHT's copy; [`registry::announcement_on`]), cached: a
-//! replica pushes its activations only to an announced replica of the next stage, and
-//! takes pushes only from an announced replica of the stage before. Without the check a
-//! caller could make a replica send activations to any peer it names, and any peer could
-//! park inputs here.
+//! gives of itself when asked, the DHT's copy if it cannot be reached; one that does not
+//! answer in time counts as unannounced until [`RETRY`]; [`registry::announcement_on`]),
+//! cached: a replica pushes its activations only to an announced replica of the next
+//! stage, and takes pushes only from an announced replica of the stage before. Without the
+//! check a caller could make a replica send activations to any peer it names, and any peer
+//! could park inputs here.
 //!
 //! An answer is kept [`FRESH`] (a peer that moves to another stage is looked up again
 //! once its cached stage stops matching, at most every [`RETRY`]); a peer with no valid
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// How long a peer's announced stage is believed without looking again. Each look is a
-/// call to the peer (a DHT walk when it does not answer); a replica exchanges pushes with
+/// call to the peer (a DHT walk when it cannot be reached); a replica exchanges pushes with
 /// every replica of the stages beside it, so at 30 s, when each look was a walk, a swarm of
 /// 120 spent 200 record lookups a second on these checks alone.
 pub const FRESH: Duration = Duration::from_secs(300);
