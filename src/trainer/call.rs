@@ -178,12 +178,10 @@ where
                 // Never called: either none is known, or every one known was avoided after
                 // failures of other calls the whole time (the label said "no replica
                 // announced" for both, which sent a diagnosis the wrong way).
-                let why = last_err
-                    .clone()
-                    .unwrap_or_else(|| match ctx.table.lock()[s].len() {
-                        0 => "no replica announced".to_string(),
-                        n => format!("all {n} known avoided after failures"),
-                    });
+                let why = last_err.unwrap_or_else(|| match ctx.table.lock()[s].len() {
+                    0 => "no replica announced".to_string(),
+                    n => format!("all {n} known avoided after failures"),
+                });
                 return Err(Failure::Failed(format!(
                     "stage {s}: no usable replica for {:?} ({why})",
                     ctx.cfg.stage_deadline
