@@ -6,6 +6,7 @@
 mod args;
 mod bench_args;
 mod bench_cmds;
+mod bench_run;
 mod client_cmds;
 mod data_cmds;
 mod harness;
@@ -274,37 +275,10 @@ fn train(cfg: &RunConfig, opts: &LocalOptions, events: &mut LocalEvents) -> Resu
     Ok(report)
 }
 
+/// Runs the parsed command.
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Train(a) => {
-            let Some(config) = a.config.as_ref().filter(|_| a.local) else {
-                let mut swarm = a.swarm;
-                swarm.data = a.data;
-                return peer_cmd::train_swarm(swarm);
-            };
-            let mut cfg = RunConfig::load(config)?;
-            if let Some(d) = &a.data {
-                data_cmds::data_override(&mut cfg, d)?;
-            }
-            let mut opts = apply_common(&mut cfg, &a.common)?;
-            opts.checkpoint = a.checkpoint.clone();
-            opts.resume = a.resume.clone();
-            opts.checkpoint_every = match a.checkpoint_every {
-                None => None,
-                Some(s) if s.is_finite() && s >= 1.0 => Some(std::time::Duration::from_secs_f64(s)),
-                Some(s) => bail!("--checkpoint-every must be at least 1 second, not {s}"),
-            };
-            let mut events = LocalEvents::new(&a.swarm.events)?;
-            let report = train(&cfg, &opts, &mut events)?;
-            if let Some(path) = &opts.checkpoint {
-                println!(
-                    "checkpoints at step {} written to {}",
-                    report.steps,
-                    shoal::train::stage_checkpoint(path, 0).display()
-                );
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Train(a) => train_cmd(a),
         Command::Demo(a) if !a.local => bench_cmds::demo(
             a.common.stages.unwrap_or(3),
             a.replicas,
@@ -312,29 +286,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             a.common.steps,
             !a.no_churn,
         ),
-        Command::Demo(a) => {
-            let mut cfg = RunConfig::tiny();
-            let opts = apply_common(&mut cfg, &a.common)?;
-            println!("shoal demo: the built-in tiny config on the built-in Markov corpus");
-            let report = train(&cfg, &opts, &mut LocalEvents(None))?;
-            match cfg.training.target_loss {
-                Some(t) if report.eval_loss > t => {
-                    println!(
-                        "demo FAILED: eval loss {:.4} did not reach the target {t}",
-                        report.eval_loss
-                    );
-                    Ok(ExitCode::FAILURE)
-                }
-                Some(t) => {
-                    println!(
-                        "demo ok: eval loss {:.4} reached the target {t}",
-                        report.eval_loss
-                    );
-                    Ok(ExitCode::SUCCESS)
-                }
-                None => Ok(ExitCode::SUCCESS),
-            }
-        }
+        Command::Demo(a) => local_demo(a),
         Command::Run {
             which: args::RunCommand::New { config, out, data },
         } => client_cmds::run_new(config, out, data),
@@ -349,108 +301,65 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Swarm {
             which: args::SwarmCommand::Key { out },
         } => client_cmds::swarm_key(out),
-        Command::Bench {
-            which:
-                BenchCommand::Allreduce {
-                    peers,
-                    floats,
-                    codec,
-                    emulate_link,
-                    reps,
-                },
-        } => bench_cmds::bench_allreduce(peers, floats, &codec, emulate_link.as_deref(), reps),
-        Command::Bench {
-            which: BenchCommand::Converge(a),
-        } => bench_cmds::bench_converge(a),
-        Command::Bench {
-            which: BenchCommand::Sim(a),
-        } => sim_cmd::bench_sim(a),
-        Command::Bench {
-            which:
-                BenchCommand::Swarm {
-                    scenario,
-                    seconds,
-                    samples,
-                    warmup,
-                    concurrency,
-                    json,
-                },
-        } => bench_cmds::bench_swarm(&scenario, (seconds, samples), warmup, concurrency, json),
-        Command::Bench {
-            which:
-                BenchCommand::Stage {
-                    config,
-                    stage,
-                    device,
-                    dtypes,
-                    batch,
-                    seconds,
-                    json,
-                },
-        } => bench_cmds::bench_stage(&config, stage, &device, &dtypes, batch, seconds, json),
-        Command::Bench {
-            which:
-                BenchCommand::Compress {
-                    codecs,
-                    steps,
-                    swarm_samples,
-                    averaging,
-                    d_model,
-                    text,
-                    json,
-                },
-        } => bench_cmds::bench_compress(
-            &codecs,
-            (steps, swarm_samples, &averaging),
-            d_model,
-            text,
-            json,
-        ),
-        Command::Bench {
-            which:
-                BenchCommand::Streams {
-                    connections,
-                    at_once,
-                    bursts,
-                    json,
-                },
-        } => bench_cmds::bench_streams(connections, at_once, bursts, json),
-        Command::Bench {
-            which:
-                BenchCommand::Transfer {
-                    mib,
-                    reps,
-                    codecs,
-                    quic,
-                },
-        } => bench_cmds::bench_transfer(mib, reps, codecs, quic),
-        Command::Bench {
-            which:
-                BenchCommand::Codec {
-                    elements,
-                    reps,
-                    codecs,
-                },
-        } => {
-            let mut cfg = shoal::bench::codec::CodecBenchConfig {
-                elements,
-                reps: reps.max(1),
-                ..Default::default()
-            };
-            if elements == 0 {
-                bail!("--elements must be at least 1");
-            }
-            if let Some(list) = codecs {
-                cfg.codecs = list.split(',').map(parse_codec).collect::<Result<_>>()?;
-            }
+        Command::Bench { which } => bench_run::bench(which),
+    }
+}
+
+/// `shoal train`: `--local` with a config trains in this process; otherwise the swarm's
+/// trainer.
+fn train_cmd(a: TrainArgs) -> Result<ExitCode> {
+    let Some(config) = a.config.as_ref().filter(|_| a.local) else {
+        let mut swarm = a.swarm;
+        swarm.data = a.data;
+        return peer_cmd::train_swarm(swarm);
+    };
+    let mut cfg = RunConfig::load(config)?;
+    if let Some(d) = &a.data {
+        data_cmds::data_override(&mut cfg, d)?;
+    }
+    let mut opts = apply_common(&mut cfg, &a.common)?;
+    opts.checkpoint = a.checkpoint.clone();
+    opts.resume = a.resume.clone();
+    opts.checkpoint_every = match a.checkpoint_every {
+        None => None,
+        Some(s) if s.is_finite() && s >= 1.0 => Some(std::time::Duration::from_secs_f64(s)),
+        Some(s) => bail!("--checkpoint-every must be at least 1 second, not {s}"),
+    };
+    let mut events = LocalEvents::new(&a.swarm.events)?;
+    let report = train(&cfg, &opts, &mut events)?;
+    if let Some(path) = &opts.checkpoint {
+        println!(
+            "checkpoints at step {} written to {}",
+            report.steps,
+            shoal::train::stage_checkpoint(path, 0).display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `shoal demo --local`: the built-in tiny config on the built-in corpus, in this process,
+/// failing when the eval loss misses the config's target.
+fn local_demo(a: DemoArgs) -> Result<ExitCode> {
+    let mut cfg = RunConfig::tiny();
+    let opts = apply_common(&mut cfg, &a.common)?;
+    println!("shoal demo: the built-in tiny config on the built-in Markov corpus");
+    let report = train(&cfg, &opts, &mut LocalEvents(None))?;
+    match cfg.training.target_loss {
+        Some(t) if report.eval_loss > t => {
             println!(
-                "codec benchmark: {} f32 values from N(0,1), one thread, best of {} (buffers reused)",
-                cfg.elements, cfg.reps
+                "demo FAILED: eval loss {:.4} did not reach the target {t}",
+                report.eval_loss
             );
-            let rows = shoal::bench::codec::run(&cfg).context("codec benchmark")?;
-            print!("{}", shoal::bench::codec::table(&rows));
+            Ok(ExitCode::FAILURE)
+        }
+        Some(t) => {
+            println!(
+                "demo ok: eval loss {:.4} reached the target {t}",
+                report.eval_loss
+            );
             Ok(ExitCode::SUCCESS)
         }
+        None => Ok(ExitCode::SUCCESS),
     }
 }
 

@@ -126,6 +126,37 @@ pub fn run(setup: &Setup, opts: &BenchOptions, out: &dyn Fn(String)) -> Result<R
     in_scratch(setup, |dir| run_in(setup, opts, dir, out))
 }
 
+/// The processes of a running large scenario and what its replicas last reported.
+struct Running {
+    /// The replicas (the joiner too, once it started).
+    peers: Vec<Proc>,
+    trainers: Vec<Proc>,
+    seen: HashMap<String, Seen>,
+    started: Instant,
+    /// How long a phase may take.
+    limit: Duration,
+}
+
+impl Running {
+    /// Reads every replica's events (returning those other than counters) and drains the
+    /// trainers'.
+    fn poll(&mut self) -> Vec<(String, Event)> {
+        let other = read(&mut self.peers, &mut self.seen);
+        for t in self.trainers.iter_mut() {
+            t.drain();
+        }
+        other
+    }
+
+    /// Rounds each replica applied so far.
+    fn rounds(&self) -> Vec<u64> {
+        self.peers
+            .iter()
+            .map(|p| self.seen.get(&p.name).map_or(0, |s| s.avg.rounds))
+            .collect()
+    }
+}
+
 fn run_in(
     setup: &Setup,
     opts: &BenchOptions,
@@ -172,57 +203,18 @@ fn run_in(
         let args = bench_trainer_args(setup, &m.id, &baddr, l, t);
         trainers.push(Proc::spawn(exe, dir, &format!("trainer{t}"), &args)?);
     }
-    let started = Instant::now();
-    let mut seen: HashMap<String, Seen> = HashMap::new();
-    let limit = Duration::from_secs_f64(opts.seconds.max(600.0));
-    // Phase 1: every replica applies ROUNDS rounds.
-    let mut next_print = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(200));
-        read(&mut peers, &mut seen);
-        for t in trainers.iter_mut() {
-            t.drain();
-        }
-        let rounds: Vec<u64> = peers
-            .iter()
-            .map(|p| seen.get(&p.name).map_or(0, |s| s.avg.rounds))
-            .collect();
-        if Instant::now() >= next_print {
-            next_print = Instant::now() + Duration::from_secs(10);
-            out(format!(
-                "  [{:>4.0}s] averaging: rounds per replica {rounds:?}",
-                started.elapsed().as_secs_f64()
-            ));
-        }
-        if rounds.iter().all(|&r| r >= ROUNDS as u64) {
-            break;
-        }
-        if started.elapsed() > limit {
-            return Err(HarnessError::Process(format!(
-                "the replicas applied only {rounds:?} rounds in {limit:?}"
-            )));
-        }
-    }
-    let rounds_ms: Vec<f64> = seen
-        .values()
-        .flat_map(|s| s.avg.recent_rounds_ms.iter().skip(1).copied())
-        .collect();
-    let avg_round_s = median(rounds_ms) / 1e3;
+    let mut run = Running {
+        peers,
+        trainers,
+        seen: HashMap::new(),
+        started: Instant::now(),
+        limit: Duration::from_secs_f64(opts.seconds.max(600.0)),
+    };
     let link = setup
         .replicas
         .first()
         .map_or_else(shoal::net::link::LinkSpec::unlimited, |r| r.link);
-    let rate = link.up.unwrap_or(f64::INFINITY);
-    let members = 2.0;
-    let grad_bytes =
-        shoal::wire::max_encoded_len(&[stage_params as usize], &setup.run.codecs.gradients)
-            .unwrap_or(stage_params as usize * 4) as f64;
-    let avg_bound_s =
-        2.0 * (members - 1.0) / members * grad_bytes / rate + 2.0 * link.rtt.as_secs_f64();
-    out(format!(
-        "  averaging: median round {avg_round_s:.2} s, bound {avg_bound_s:.2} s ({:.0} MB encoded gradient)",
-        grad_bytes / 1e6
-    ));
+    let (avg_round_s, avg_bound_s) = averaging_phase(&mut run, setup, stage_params, link, out)?;
     // Phase 2: a fresh peer joins stage 1 and downloads its state.
     let joiner_spec = setup
         .replicas
@@ -234,13 +226,115 @@ fn run_in(
             link,
             slowdown: 1.0,
         });
-    let mut joiner = start("joiner", &joiner_spec, "1")?;
+    let joiner = start("joiner", &joiner_spec, "1")?;
+    let (sync_s, sync_bound_s) = download_phase(&mut run, joiner, &joiner_spec, link, out)?;
+    // Phase 3: training keeps stepping with the joiner in (which first replays the
+    // updates applied during its download).
+    let steps_last_window = last_window(
+        &mut run,
+        Duration::from_secs_f64(opts.warmup.max(60.0)),
+        out,
+    );
+    let seen = &run.seen;
+    let failed_rounds: u64 = seen.values().map(|s| s.avg.failed_attempts).sum();
+    let joiner_rounds = seen.get("joiner").map_or(0, |s| s.avg.rounds);
+    let peak_rss = seen.values().map(|s| s.peak_rss).max().unwrap_or(0);
+    report_replicas(seen, out);
+    stop_all(run.trainers.iter_mut(), Duration::from_secs(30));
+    stop_all(run.peers.iter_mut(), Duration::from_secs(15));
+    boot.stop();
+    let ratio = |bound: f64, measured: f64| {
+        if measured > 0.0 {
+            bound / measured
+        } else {
+            0.0
+        }
+    };
+    let figures = LargeFigures {
+        stage_params,
+        state_mib: state_bytes / (1 << 20) as f64,
+        avg_round_s,
+        avg_bound_s,
+        avg_efficiency: ratio(avg_bound_s, avg_round_s),
+        sync_s,
+        sync_bound_s,
+        sync_efficiency: ratio(sync_bound_s, sync_s),
+        failed_rounds,
+        steps_last_window,
+        joiner_rounds,
+    };
+    Ok(Row {
+        scenario: setup.label.clone(),
+        bottleneck: "averaging and state download".into(),
+        peak_rss_mib: peak_rss as f64 / (1 << 20) as f64,
+        large: Some(figures),
+        ..Row::default()
+    })
+}
+
+/// Phase 1: every replica applies [`ROUNDS`] rounds. Returns the median round (the first of
+/// each replica left out) and its bound, in seconds.
+fn averaging_phase(
+    run: &mut Running,
+    setup: &Setup,
+    stage_params: u64,
+    link: LinkSpec,
+    out: &dyn Fn(String),
+) -> Result<(f64, f64), HarnessError> {
+    let mut next_print = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        run.poll();
+        let rounds = run.rounds();
+        if Instant::now() >= next_print {
+            next_print = Instant::now() + Duration::from_secs(10);
+            out(format!(
+                "  [{:>4.0}s] averaging: rounds per replica {rounds:?}",
+                run.started.elapsed().as_secs_f64()
+            ));
+        }
+        if rounds.iter().all(|&r| r >= ROUNDS as u64) {
+            break;
+        }
+        if run.started.elapsed() > run.limit {
+            return Err(HarnessError::Process(format!(
+                "the replicas applied only {rounds:?} rounds in {:?}",
+                run.limit
+            )));
+        }
+    }
+    let rounds_ms: Vec<f64> = run
+        .seen
+        .values()
+        .flat_map(|s| s.avg.recent_rounds_ms.iter().skip(1).copied())
+        .collect();
+    let avg_round_s = median(rounds_ms) / 1e3;
+    let rate = link.up.unwrap_or(f64::INFINITY);
+    let members = 2.0;
+    let grad_bytes =
+        shoal::wire::max_encoded_len(&[stage_params as usize], &setup.run.codecs.gradients)
+            .unwrap_or(stage_params as usize * 4) as f64;
+    let avg_bound_s =
+        2.0 * (members - 1.0) / members * grad_bytes / rate + 2.0 * link.rtt.as_secs_f64();
+    out(format!(
+        "  averaging: median round {avg_round_s:.2} s, bound {avg_bound_s:.2} s ({:.0} MB encoded gradient)",
+        grad_bytes / 1e6
+    ));
+    Ok((avg_round_s, avg_bound_s))
+}
+
+/// Phase 2: `joiner` downloads its state while the others keep training; it joins the
+/// running replicas once done. Returns the download's seconds and its bound.
+fn download_phase(
+    run: &mut Running,
+    mut joiner: Proc,
+    joiner_spec: &ReplicaSpec,
+    link: LinkSpec,
+    out: &dyn Fn(String),
+) -> Result<(f64, f64), HarnessError> {
     let sync_started = Instant::now();
     let (bytes, sync_s, donors, setup_s) = loop {
-        read(&mut peers, &mut seen);
-        for t in trainers.iter_mut() {
-            t.drain();
-        }
+        run.poll();
         let got = joiner.wait_for("its download", Duration::from_secs(1), |e| match e {
             Event::Synced {
                 bytes,
@@ -258,9 +352,10 @@ fn run_in(
         match got {
             Ok(v) => break v,
             Err(e) if joiner.exited() => return Err(e),
-            Err(_) if sync_started.elapsed() > limit => {
+            Err(_) if sync_started.elapsed() > run.limit => {
                 return Err(HarnessError::Process(format!(
-                    "the joiner did not download its state within {limit:?}"
+                    "the joiner did not download its state within {:?}",
+                    run.limit
                 )))
             }
             Err(_) => {}
@@ -273,38 +368,38 @@ fn run_in(
         "  state download: {:.0} MB from {donors} donors in {sync_s:.1} s ({setup_s:.1} s before the first chunk), bound {sync_bound_s:.1} s",
         bytes / 1e6
     ));
-    let mut all: Vec<Proc> = peers;
-    all.push(joiner);
-    // Phase 3: training keeps stepping with the joiner in (which first replays the
-    // updates applied during its download).
-    let window = Duration::from_secs_f64(opts.warmup.max(60.0));
-    read(&mut all, &mut seen);
-    let before: HashMap<String, u64> = seen
+    run.peers.push(joiner);
+    Ok((sync_s, sync_bound_s))
+}
+
+/// Phase 3: a window of at least `window`, and until the joiner has taken part in a round
+/// (four minutes at most). Returns the steps the stages applied in it (the fewest of the
+/// two stages, the joiner left out).
+fn last_window(run: &mut Running, window: Duration, out: &dyn Fn(String)) -> u64 {
+    run.poll();
+    let before: HashMap<String, u64> = run
+        .seen
         .iter()
         .map(|(k, s)| (k.clone(), s.avg.rounds))
         .collect();
-    // The window lasts at least `window`, and until the joiner has taken part in a round
-    // (four minutes at most).
     let opened = Instant::now();
     let joined =
         |seen: &HashMap<String, Seen>| seen.get("joiner").is_some_and(|s| s.avg.rounds > 0);
     while opened.elapsed() < window
-        || (!joined(&seen) && opened.elapsed() < Duration::from_secs(240))
+        || (!joined(&run.seen) && opened.elapsed() < Duration::from_secs(240))
     {
         std::thread::sleep(Duration::from_millis(500));
-        for (name, e) in read(&mut all, &mut seen) {
+        for (name, e) in run.poll() {
             if let Event::SyncRetry { error, .. } = e {
                 out(format!("  {name}: download retried: {error}"));
             }
         }
-        for t in trainers.iter_mut() {
-            t.drain();
-        }
     }
-    read(&mut all, &mut seen);
-    let steps_last_window = (0..2)
+    run.poll();
+    (0..2)
         .map(|stage| {
-            seen.iter()
+            run.seen
+                .iter()
                 .filter(|(k, s)| s.stage == stage && *k != "joiner")
                 .map(|(k, s)| {
                     s.avg
@@ -315,15 +410,14 @@ fn run_in(
                 .unwrap_or(0)
         })
         .min()
-        .unwrap_or(0);
-    let failed_rounds: u64 = seen.values().map(|s| s.avg.failed_attempts).sum();
-    let joiner_rounds = seen.get("joiner").map_or(0, |s| s.avg.rounds);
-    let peak_rss = seen.values().map(|s| s.peak_rss).max().unwrap_or(0);
-    for (name, s) in {
-        let mut v: Vec<_> = seen.iter().collect();
-        v.sort_by(|a, b| a.0.cmp(b.0));
-        v
-    } {
+        .unwrap_or(0)
+}
+
+/// One line per replica: its stage, rounds, abandoned attempts, resyncs, replays, memory.
+fn report_replicas(seen: &HashMap<String, Seen>, out: &dyn Fn(String)) {
+    let mut v: Vec<_> = seen.iter().collect();
+    v.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, s) in v {
         out(format!(
             "  {name}: stage {}, {} rounds ({} abandoned, {} resyncs, {} updates replayed), peak RSS {:.0} MiB",
             s.stage,
@@ -334,37 +428,6 @@ fn run_in(
             s.peak_rss as f64 / (1 << 20) as f64
         ));
     }
-    stop_all(trainers.iter_mut(), Duration::from_secs(30));
-    stop_all(all.iter_mut(), Duration::from_secs(15));
-    boot.stop();
-    let figures = LargeFigures {
-        stage_params,
-        state_mib: state_bytes / (1 << 20) as f64,
-        avg_round_s,
-        avg_bound_s,
-        avg_efficiency: if avg_round_s > 0.0 {
-            avg_bound_s / avg_round_s
-        } else {
-            0.0
-        },
-        sync_s,
-        sync_bound_s,
-        sync_efficiency: if sync_s > 0.0 {
-            sync_bound_s / sync_s
-        } else {
-            0.0
-        },
-        failed_rounds,
-        steps_last_window,
-        joiner_rounds,
-    };
-    Ok(Row {
-        scenario: setup.label.clone(),
-        bottleneck: "averaging and state download".into(),
-        peak_rss_mib: peak_rss as f64 / (1 << 20) as f64,
-        large: Some(figures),
-        ..Row::default()
-    })
 }
 
 /// Parameters of each stage of the run (built on the CPU; dropped at once).

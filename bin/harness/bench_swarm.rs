@@ -218,29 +218,7 @@ fn run_in(
     let exe = &opts.exe;
     let (m, mut boot, baddr) = start_run(setup, exe, dir)?;
     let in_flight = setup.concurrency * setup.trainers.len();
-    let mut peers: Vec<(usize, Proc)> = Vec::new();
-    let mut compute = Vec::new();
-    for (i, r) in setup.replicas.iter().enumerate() {
-        let name = format!("stage{}-replica{i}", r.stage);
-        let args = replica_args(
-            &m.id,
-            &baddr,
-            r,
-            &format!("{name}.key"),
-            &r.stage.to_string(),
-            in_flight,
-        );
-        let mut p = Proc::spawn(exe, dir, &name, &args)?;
-        let tp = p.wait_for("its throughput", Duration::from_secs(60), |e| match e {
-            Event::Serving { samples_per_s, .. } => Some(*samples_per_s),
-            _ => None,
-        })?;
-        compute.push(tp);
-        peers.push((i, p));
-    }
-    for (_, p) in peers.iter_mut() {
-        p.wait_ready(Duration::from_secs(60))?;
-    }
+    let (mut peers, compute) = start_replicas(setup, exe, dir, (&m.id, &baddr), in_flight)?;
     let mut trainers = Vec::new();
     for (t, l) in setup.trainers.iter().enumerate() {
         let args = bench_trainer_args(setup, &m.id, &baddr, l, t);
@@ -250,17 +228,7 @@ fn run_in(
     let mut why = Vec::new();
     let started = Instant::now();
     let warm_end = started + Duration::from_secs_f64(opts.warmup);
-    // A churn window holds at least two kills and 5 s after the second, whatever
-    // `--seconds` says (kills come every period from the start).
-    let seconds = match setup.churn {
-        Some(p) => {
-            let p = p.as_secs_f64();
-            let first_inside = (opts.warmup / p).floor() + 1.0;
-            opts.seconds
-                .max((first_inside + 1.0) * p + 5.0 - opts.warmup)
-        }
-        None => opts.seconds,
-    };
+    let seconds = window_seconds(setup, opts);
     let mut end = warm_end + Duration::from_secs_f64(seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
     // The window opens after the warm-up and once the trainers have completed samples (a
@@ -292,24 +260,12 @@ fn run_in(
         if let (Some(k), Some(period)) = (next_kill, setup.churn) {
             if now >= k {
                 next_kill = Some(now + period);
-                // The oldest replica of stage 1 dies; a fresh peer joins where it is weakest.
-                if let Some(pos) = peers
-                    .iter()
-                    .position(|(i, _)| setup.replicas.get(*i).map(|r| r.stage) == Some(1))
+                let (id, exe) = (m.id.as_str(), exe.as_path());
+                if let Some(name) =
+                    churn_kill(setup, &mut peers, (id, &baddr, exe, dir), in_flight, killed)?
                 {
-                    let (i, mut victim) = peers.remove(pos);
-                    victim.kill();
                     killed += 1;
-                    let spec = setup.replicas[i].clone();
-                    let name = format!("joiner{killed}");
-                    let key = format!("{name}.key");
-                    let args = replica_args(&m.id, &baddr, &spec, &key, "auto", in_flight);
-                    bar.println(&format!(
-                        "churn: SIGKILLed {}, starting {name}",
-                        victim.name
-                    ));
-                    let p = Proc::spawn(exe, dir, &name, &args)?;
-                    peers.push((i, p));
+                    bar.println(&format!("churn: SIGKILLed {name}, starting joiner{killed}"));
                 }
             }
         }
@@ -363,25 +319,7 @@ fn run_in(
     let real = setup.run.stages.kind.is_model();
     let cores = real.then(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
     let (b, what, slowest) = bound(setup, &compute, ratio, cores);
-    // Where compute binds, the busiest stage is the one holding the swarm back (stages
-    // whose bounds tie differ in how busy they actually are).
-    let busiest = (0..stages.len())
-        .filter_map(|i| stages[i].busy().map(|b| (i, b)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .map(|(i, _)| i)
-        .filter(|_| what.ends_with("compute"));
-    let focus = busiest
-        .or_else(|| {
-            what.strip_prefix("stage ")
-                .and_then(|r| r.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-        })
-        .unwrap_or_else(|| {
-            // The trainers bind: explain the stage that waits longest on the network.
-            (0..stages.len())
-                .max_by(|&a, &b| stages[a].read_ms.total_cmp(&stages[b].read_ms))
-                .unwrap_or(0)
-        });
+    let focus = focus_stage(&stages, &what);
     Ok(Row {
         scenario: setup.label.clone(),
         samples_per_s,
@@ -410,4 +348,103 @@ fn run_in(
         target_batch: setup.run.target_batch_size(),
         restarts: end_p.restarts,
     })
+}
+
+/// Starts every replica of `setup` (of run `id`, bootstrapped at `baddr`) one after
+/// another, each once it reported its throughput; returns them (with their index in
+/// `setup.replicas`) and those throughputs.
+fn start_replicas(
+    setup: &Setup,
+    exe: &Path,
+    dir: &Path,
+    (id, baddr): (&str, &str),
+    in_flight: usize,
+) -> Result<(Vec<(usize, Proc)>, Vec<f64>), HarnessError> {
+    let mut peers: Vec<(usize, Proc)> = Vec::new();
+    let mut compute = Vec::new();
+    for (i, r) in setup.replicas.iter().enumerate() {
+        let name = format!("stage{}-replica{i}", r.stage);
+        let args = replica_args(
+            id,
+            baddr,
+            r,
+            &format!("{name}.key"),
+            &r.stage.to_string(),
+            in_flight,
+        );
+        let mut p = Proc::spawn(exe, dir, &name, &args)?;
+        let tp = p.wait_for("its throughput", Duration::from_secs(60), |e| match e {
+            Event::Serving { samples_per_s, .. } => Some(*samples_per_s),
+            _ => None,
+        })?;
+        compute.push(tp);
+        peers.push((i, p));
+    }
+    for (_, p) in peers.iter_mut() {
+        p.wait_ready(Duration::from_secs(60))?;
+    }
+    Ok((peers, compute))
+}
+
+/// Seconds the measured window lasts: `--seconds`, but a churn window holds at least two
+/// kills and 5 s after the second (kills come every period from the start).
+fn window_seconds(setup: &Setup, opts: &BenchOptions) -> f64 {
+    match setup.churn {
+        Some(p) => {
+            let p = p.as_secs_f64();
+            let first_inside = (opts.warmup / p).floor() + 1.0;
+            opts.seconds
+                .max((first_inside + 1.0) * p + 5.0 - opts.warmup)
+        }
+        None => opts.seconds,
+    }
+}
+
+/// Churn: the oldest replica of stage 1 dies (SIGKILL) and a fresh peer, `joiner{killed+1}`,
+/// joins where the swarm is weakest. Returns the victim's name (`None`: stage 1 has no
+/// replica left to kill).
+fn churn_kill(
+    setup: &Setup,
+    peers: &mut Vec<(usize, Proc)>,
+    (id, baddr, exe, dir): (&str, &str, &Path, &Path),
+    in_flight: usize,
+    killed: usize,
+) -> Result<Option<String>, HarnessError> {
+    let Some(pos) = peers
+        .iter()
+        .position(|(i, _)| setup.replicas.get(*i).map(|r| r.stage) == Some(1))
+    else {
+        return Ok(None);
+    };
+    let (i, mut victim) = peers.remove(pos);
+    victim.kill();
+    let spec = setup.replicas[i].clone();
+    let name = format!("joiner{}", killed + 1);
+    let key = format!("{name}.key");
+    let args = replica_args(id, baddr, &spec, &key, "auto", in_flight);
+    let p = Proc::spawn(exe, dir, &name, &args)?;
+    peers.push((i, p));
+    Ok(Some(victim.name.clone()))
+}
+
+/// The stage a row explains: where compute binds (`what` ends in "compute"), the busiest
+/// stage (stages whose bounds tie differ in how busy they actually are); else the stage
+/// `what` names; else, when the trainers bind, the stage that waits longest on the network.
+fn focus_stage(stages: &[StageTimes], what: &str) -> usize {
+    let busiest = (0..stages.len())
+        .filter_map(|i| stages[i].busy().map(|b| (i, b)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
+        .filter(|_| what.ends_with("compute"));
+    busiest
+        .or_else(|| {
+            what.strip_prefix("stage ")
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+        })
+        .unwrap_or_else(|| {
+            (0..stages.len())
+                .max_by(|&a, &b| stages[a].read_ms.total_cmp(&stages[b].read_ms))
+                .unwrap_or(0)
+        })
 }

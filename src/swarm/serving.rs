@@ -7,6 +7,7 @@ use super::peer::{PeerConfig, PeerError};
 use crate::averaging::sync::{self, SyncReport};
 use crate::averaging::{Averager, AveragerConfig};
 use crate::dht::{Announcement, Manifest};
+use crate::model::checkpoint::Info;
 use crate::model::Stage;
 use crate::net::NetHandle;
 use crate::rng::Rng;
@@ -192,19 +193,59 @@ impl Ctx {
         stage_idx: usize,
         announced: &[Announcement],
     ) -> Result<Serving, PeerError> {
-        let cfg = &self.cfg;
-        let manifest = &self.manifest;
-        let count = manifest.config.stages.count;
-        let stage = Stage::new(&manifest.config, stage_idx, &cfg.device)?;
-        let m = &manifest.config.model;
-        let sim = SimCompute::of(&manifest.config, cfg.sim_slowdown);
+        let (mut replica, samples_per_s, resumed) = self.build_replica(stage_idx).await?;
+        let client = StageClient::new(
+            self.net.clone(),
+            self.manifest.id.clone(),
+            self.manifest.config.codecs.activations.wire(),
+        );
+        let donors = self
+            .donors(&client, stage_idx, &replica, announced, resumed.as_ref())
+            .await;
+        let synced = self
+            .download_state(&client, stage_idx, &mut replica, &donors)
+            .await?;
+        let replica = Arc::new(tokio::sync::Mutex::new(replica));
+        if synced.is_some() {
+            // The download took time: replay what the donors applied meanwhile, so the
+            // replica starts at their step.
+            let _ = crate::averaging::updates::catch_up(
+                &client,
+                stage_idx,
+                client.local_peer_id(),
+                &donors,
+                &replica,
+            )
+            .await;
+        }
+        let (service, averager, refresher) =
+            self.start_serving(client, replica, stage_idx, samples_per_s)?;
+        Ok(Serving {
+            service,
+            averager,
+            refresher,
+            samples_per_s,
+            synced,
+        })
+    }
+
+    /// Builds stage `stage_idx`'s replica: its layers, its throughput (the configured one,
+    /// the sim stage's, or measured off the async workers), and the checkpoint it resumed
+    /// from, if the peer was given one.
+    async fn build_replica(
+        &self,
+        stage_idx: usize,
+    ) -> Result<(Replica, f64, Option<Info>), PeerError> {
+        let (cfg, run) = (&self.cfg, &self.manifest.config);
+        let stage = Stage::new(run, stage_idx, &cfg.device)?;
+        let sim = SimCompute::of(run, cfg.sim_slowdown);
         let (stage, samples_per_s) = match (cfg.throughput, &sim) {
             (Some(t), _) => (stage, t),
             (None, Some(sim)) => (stage, sim.samples_per_s()),
             (None, None) => {
                 // Compute off the async workers: peers and calls sharing this runtime
                 // keep being served while the stage is measured.
-                let (batch, seq) = (manifest.config.training.batch_size, m.seq_len);
+                let (batch, seq) = (run.training.batch_size, run.model.seq_len);
                 let budget = cfg.bench_budget;
                 let (stage, tp) = tokio::task::spawn_blocking(move || {
                     let tp = measure_throughput(&stage, batch, seq, 2, budget);
@@ -215,24 +256,33 @@ impl Ctx {
                 (stage, tp?)
             }
         };
-        let mut replica = Replica::new(&manifest.config, stage)?
+        let mut replica = Replica::new(run, stage)?
             .with_sim(sim)
             .with_kept_cap(cfg.kept_forwards)
             .with_staleness_bound(cfg.bound_staleness)
             .with_prediction(cfg.weight_prediction);
-        let client = StageClient::new(
-            self.net.clone(),
-            manifest.id.clone(),
-            manifest.config.codecs.activations.wire(),
-        );
         let resumed = match &cfg.resume {
-            Some(path) => Some(replica.resume(path, &manifest.id)?),
+            Some(path) => Some(replica.resume(path, &self.manifest.id)?),
             None => None,
         };
-        // Download only from replicas ahead of this one: a fresh replica skips it when
-        // every replica still holds the deterministic init (asked now: announcements may be
-        // a few seconds old), a resumed one when none is past its checkpoint. Replicas at
-        // the same step with other parameters win too (the live swarm's state is the run's).
+        Ok((replica, samples_per_s, resumed))
+    }
+
+    /// The replicas `replica` should download its state from: none when no announced
+    /// replica is ahead of it, else every announced one.
+    ///
+    /// Download only from replicas ahead of this one: a fresh replica skips it when every
+    /// replica still holds the deterministic init (asked now: announcements may be a few
+    /// seconds old), a resumed one when none is past its checkpoint. Replicas at the same
+    /// step with other parameters win too (the live swarm's state is the run's).
+    async fn donors(
+        &self,
+        client: &StageClient,
+        stage_idx: usize,
+        replica: &Replica,
+        announced: &[Announcement],
+        resumed: Option<&Info>,
+    ) -> Vec<PeerId> {
         let mine = (replica.params_step(), replica.params_hash().to_string());
         let (mut answered, mut ahead) = (0, false);
         for p in peers_of(announced) {
@@ -253,7 +303,7 @@ impl Ctx {
         // With no answer at all, a resumed replica serves its checkpoint (everyone else may
         // be restarting too); a fresh one still tries the announced donors.
         let keep = !ahead && (answered > 0 || resumed.is_some());
-        if let Some(info) = &resumed {
+        if let Some(info) = resumed {
             (self.emit)(Event::Resumed {
                 stage: stage_idx,
                 step: info.step,
@@ -261,71 +311,78 @@ impl Ctx {
                 kept: keep || announced.is_empty(),
             });
         }
-        let donors = if keep {
+        if keep {
             Vec::new()
         } else {
             peers_of(announced)
-        };
-        let mut synced = None;
-        if !donors.is_empty() {
-            // A stage that already has replicas: start from their state, not the init.
-            let mut rng = Rng::new(crate::rng::derive_seed(
-                crate::dht::now_ms(),
-                &self.net.local_peer_id().to_string(),
-            ));
-            let len = replica.snapshot_len();
-            // Donors can be busy or leaving: try a few times before giving up (a peer never
-            // serves a state that did not download whole and check out).
-            let mut attempt = 0;
-            let sync_started = Instant::now();
-            let (snap, report) = loop {
-                attempt += 1;
-                let span = tracing::info_span!("state_download", stage = stage_idx, attempt);
-                let fetched = sync::Fetched::default();
-                let fetch =
-                    sync::download(&client, stage_idx, &donors, len, &mut rng, Some(&fetched));
-                let fetch = tracing::Instrument::instrument(fetch, span);
-                let got = match self.with_progress(fetch, &fetched).await {
-                    Ok((snap, report)) => replica
-                        .restore(&snap)
-                        .map(|_| (snap, report))
-                        .map_err(PeerError::from),
-                    Err(e) => Err(e.into()),
-                };
-                match got {
-                    Ok(done) => break done,
-                    Err(e) if attempt < SYNC_ATTEMPTS => (self.emit)(Event::SyncRetry {
-                        stage: stage_idx,
-                        error: e.to_string(),
-                    }),
-                    Err(e) => return Err(e),
-                }
-                tokio::time::sleep(Duration::from_secs(attempt as u64)).await;
+        }
+    }
+
+    /// Downloads the stage's state from `donors` into `replica` (nothing when there are
+    /// none), trying a few times: donors can be busy or leaving, and a peer never serves a
+    /// state that did not download whole and check out.
+    async fn download_state(
+        &self,
+        client: &StageClient,
+        stage_idx: usize,
+        replica: &mut Replica,
+        donors: &[PeerId],
+    ) -> Result<Option<SyncReport>, PeerError> {
+        if donors.is_empty() {
+            return Ok(None);
+        }
+        let mut rng = Rng::new(crate::rng::derive_seed(
+            crate::dht::now_ms(),
+            &self.net.local_peer_id().to_string(),
+        ));
+        let len = replica.snapshot_len();
+        let mut attempt = 0;
+        let sync_started = Instant::now();
+        let (snap, report) = loop {
+            attempt += 1;
+            let span = tracing::info_span!("state_download", stage = stage_idx, attempt);
+            let fetched = sync::Fetched::default();
+            let fetch = sync::download(client, stage_idx, donors, len, &mut rng, Some(&fetched));
+            let fetch = tracing::Instrument::instrument(fetch, span);
+            let got = match self.with_progress(fetch, &fetched).await {
+                Ok((snap, report)) => replica
+                    .restore(&snap)
+                    .map(|_| (snap, report))
+                    .map_err(PeerError::from),
+                Err(e) => Err(e.into()),
             };
-            (self.emit)(Event::Synced {
-                stage: stage_idx,
-                step: snap.step,
-                donors: report.donors.len(),
-                chunks_per_donor: report.chunks_per_donor.clone(),
-                bytes: 4 * snap.flat.len() as u64,
-                seconds: sync_started.elapsed().as_secs_f64(),
-                setup_s: report.setup_s,
-            });
-            synced = Some(report);
-        }
-        let replica = Arc::new(tokio::sync::Mutex::new(replica));
-        if synced.is_some() {
-            // The download took time: replay what the donors applied meanwhile, so the
-            // replica starts at their step.
-            let _ = crate::averaging::updates::catch_up(
-                &client,
-                stage_idx,
-                client.local_peer_id(),
-                &donors,
-                &replica,
-            )
-            .await;
-        }
+            match got {
+                Ok(done) => break done,
+                Err(e) if attempt < SYNC_ATTEMPTS => (self.emit)(Event::SyncRetry {
+                    stage: stage_idx,
+                    error: e.to_string(),
+                }),
+                Err(e) => return Err(e),
+            }
+            tokio::time::sleep(Duration::from_secs(attempt as u64)).await;
+        };
+        (self.emit)(Event::Synced {
+            stage: stage_idx,
+            step: snap.step,
+            donors: report.donors.len(),
+            chunks_per_donor: report.chunks_per_donor.clone(),
+            bytes: 4 * snap.flat.len() as u64,
+            seconds: sync_started.elapsed().as_secs_f64(),
+            setup_s: report.setup_s,
+        });
+        Ok(Some(report))
+    }
+
+    /// Starts serving `replica`: its service, its averager, and beside them its
+    /// announcements (and periodic checkpoints, if configured).
+    fn start_serving(
+        &self,
+        client: StageClient,
+        replica: Arc<tokio::sync::Mutex<Replica>>,
+        stage_idx: usize,
+        samples_per_s: f64,
+    ) -> Result<(Arc<StageService>, Averager, crate::tasks::Tasks), PeerError> {
+        let (cfg, manifest) = (&self.cfg, &self.manifest);
         let service = Arc::new(StageService::start(
             &self.net,
             manifest,
@@ -338,7 +395,7 @@ impl Ctx {
         let averager = Averager::spawn(client, Arc::clone(&service), avg_cfg, seed);
         (self.emit)(Event::Serving {
             stage: stage_idx,
-            stages: count,
+            stages: manifest.config.stages.count,
             device: cfg.device_name.clone(),
             samples_per_s,
         });
@@ -374,13 +431,7 @@ impl Ctx {
                 None => refresh.run().await,
             }
         });
-        Ok(Serving {
-            service,
-            averager,
-            refresher,
-            samples_per_s,
-            synced,
-        })
+        Ok((service, averager, refresher))
     }
 
     /// Runs a state download, reporting how far it is every second (`downloading`).
