@@ -350,6 +350,9 @@ fn run_in(
     })
 }
 
+/// The replicas running, each with its index in `setup.replicas`.
+type Running = Vec<(usize, Proc)>;
+
 /// Starts every replica of `setup` (of run `id`, bootstrapped at `baddr`) one after
 /// another, each once it reported its throughput; returns them (with their index in
 /// `setup.replicas`) and those throughputs.
@@ -359,8 +362,8 @@ fn start_replicas(
     dir: &Path,
     (id, baddr): (&str, &str),
     in_flight: usize,
-) -> Result<(Vec<(usize, Proc)>, Vec<f64>), HarnessError> {
-    let mut peers: Vec<(usize, Proc)> = Vec::new();
+) -> Result<(Running, Vec<f64>), HarnessError> {
+    let mut peers: Running = Vec::new();
     let mut compute = Vec::new();
     for (i, r) in setup.replicas.iter().enumerate() {
         let name = format!("stage{}-replica{i}", r.stage);
@@ -405,7 +408,7 @@ fn window_seconds(setup: &Setup, opts: &BenchOptions) -> f64 {
 /// replica left to kill).
 fn churn_kill(
     setup: &Setup,
-    peers: &mut Vec<(usize, Proc)>,
+    peers: &mut Running,
     (id, baddr, exe, dir): (&str, &str, &Path, &Path),
     in_flight: usize,
     killed: usize,
