@@ -241,72 +241,8 @@ async fn serve_one(
     stream: &mut libp2p::Stream,
     len: [u8; 4],
 ) -> bool {
-    if shared.bans.lock().is_banned(&peer, Instant::now()) {
-        let r = refusal(
-            shared,
-            ErrorKind::Banned,
-            "refused for a while: your requests failed validation repeatedly",
-        );
-        respond(stream, &r).await;
+    let Some((req, frames, held, read_us)) = admit(shared, (lane, peer), stream, len).await else {
         return false;
-    }
-    // With more requests arriving than may be read at once, the rest wait their turn (their
-    // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
-    // being refused: a refused request would be sent again in full elsewhere, over links
-    // that are the bottleneck when requests pile up like this.
-    let permit = tokio::time::timeout(
-        shared.cfg.read_timeout,
-        Arc::clone(&shared.readers).acquire_owned(),
-    )
-    .await;
-    let Ok(Ok(permit)) = permit else {
-        let r = refusal(shared, ErrorKind::Overloaded, "too many open calls");
-        respond(stream, &r).await;
-        return false;
-    };
-    let t_read = Instant::now();
-    let read = tokio::time::timeout(
-        shared.cfg.read_timeout,
-        read_request(shared, (lane, peer), stream, len),
-    )
-    .await;
-    let read_us = t_read.elapsed().as_micros() as u64;
-    // The permit bounds requests being read; once read, a call waits in the queue, whose
-    // own cap bounds it.
-    drop(permit);
-    let (req, frames, held) = match read {
-        Err(_) => {
-            shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        Ok(Err(IoError::Io(_))) => {
-            // Truncated or reset: there is nobody sensible to answer.
-            shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            let _ = stream.close().await;
-            return false;
-        }
-        Ok(Err(e)) => {
-            let kind = match e {
-                IoError::FrameTooLarge { .. }
-                | IoError::Frame(WireError::TooLarge { .. } | WireError::TooManyElements { .. }) => {
-                    ErrorKind::TooLarge
-                }
-                IoError::Frame(_) | IoError::Unexpected(_) => ErrorKind::BadTensor,
-                _ => ErrorKind::BadRequest,
-            };
-            note_refusal(shared, peer, kind, &e.to_string());
-            let r = refusal(shared, kind, e.to_string());
-            respond(stream, &r).await;
-            return false;
-        }
-        Ok(Ok(Read::Refused(r))) => {
-            if let Some(e) = &r.header.error {
-                note_refusal(shared, peer, e.kind, &e.message);
-            }
-            respond(stream, &r).await;
-            return false;
-        }
-        Ok(Ok(Read::Whole(req, frames, held))) => (req, frames, held),
     };
     let op = req.op();
     let in_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
@@ -320,7 +256,124 @@ async fn serve_one(
         respond(stream, &r).await;
         return false;
     }
-    let reply = match op {
+    // What the request holds of the caller's byte budget stays held until it is answered
+    // (a pushed input takes it along).
+    let mut held = Some(held);
+    let reply = answer(shared, peer, req, frames, &mut held).await;
+    let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
+    let c = &shared.counters;
+    match op {
+        Op::Forward | Op::Backward | Op::Push => {
+            c.read_us.fetch_add(read_us, Ordering::Relaxed);
+            c.stage_in.fetch_add(in_bytes, Ordering::Relaxed);
+            c.stage_out.fetch_add(out_bytes, Ordering::Relaxed);
+        }
+        Op::Avg => {
+            c.avg_in.fetch_add(in_bytes, Ordering::Relaxed);
+        }
+        Op::StateChunk | Op::StateUpdate => {
+            c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
+        }
+        Op::Info | Op::StateInfo | Op::StateHashes => {}
+    }
+    if let Some(e) = &reply.header.error {
+        note_refusal(shared, peer, e.kind, &e.message);
+    }
+    let t_write = Instant::now();
+    let more = respond(stream, &reply).await;
+    c.write_us
+        .fetch_add(t_write.elapsed().as_micros() as u64, Ordering::Relaxed);
+    more
+}
+
+/// Reads the request whose length prefix `len` was read, once a reader's permit is free:
+/// the request, its frames, what it holds of the caller's byte budget, and the
+/// microseconds its reading took. `None` when it was refused (answered here) or could not
+/// be read; the stream then carries nothing more.
+async fn admit(
+    shared: &Arc<Shared>,
+    (lane, peer): (Lane, PeerId),
+    stream: &mut libp2p::Stream,
+    len: [u8; 4],
+) -> Option<(Request, Vec<Vec<u8>>, Held, u64)> {
+    if shared.bans.lock().is_banned(&peer, Instant::now()) {
+        let r = refusal(
+            shared,
+            ErrorKind::Banned,
+            "refused for a while: your requests failed validation repeatedly",
+        );
+        respond(stream, &r).await;
+        return None;
+    }
+    // With more requests arriving than may be read at once, the rest wait their turn (their
+    // bytes wait in the multiplexer's window, which pushes back on the sender) rather than
+    // being refused: a refused request would be sent again in full elsewhere, over links
+    // that are the bottleneck when requests pile up like this.
+    let permit = tokio::time::timeout(
+        shared.cfg.read_timeout,
+        Arc::clone(&shared.readers).acquire_owned(),
+    )
+    .await;
+    let Ok(Ok(permit)) = permit else {
+        let r = refusal(shared, ErrorKind::Overloaded, "too many open calls");
+        respond(stream, &r).await;
+        return None;
+    };
+    let t_read = Instant::now();
+    let read = tokio::time::timeout(
+        shared.cfg.read_timeout,
+        read_request(shared, (lane, peer), stream, len),
+    )
+    .await;
+    let read_us = t_read.elapsed().as_micros() as u64;
+    // The permit bounds requests being read; once read, a call waits in the queue, whose
+    // own cap bounds it.
+    drop(permit);
+    match read {
+        Err(_) => {
+            shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+        Ok(Err(IoError::Io(_))) => {
+            // Truncated or reset: there is nobody sensible to answer.
+            shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            let _ = stream.close().await;
+            None
+        }
+        Ok(Err(e)) => {
+            let kind = match e {
+                IoError::FrameTooLarge { .. }
+                | IoError::Frame(WireError::TooLarge { .. } | WireError::TooManyElements { .. }) => {
+                    ErrorKind::TooLarge
+                }
+                IoError::Frame(_) | IoError::Unexpected(_) => ErrorKind::BadTensor,
+                _ => ErrorKind::BadRequest,
+            };
+            note_refusal(shared, peer, kind, &e.to_string());
+            let r = refusal(shared, kind, e.to_string());
+            respond(stream, &r).await;
+            None
+        }
+        Ok(Ok(Read::Refused(r))) => {
+            if let Some(e) = &r.header.error {
+                note_refusal(shared, peer, e.kind, &e.message);
+            }
+            respond(stream, &r).await;
+            None
+        }
+        Ok(Ok(Read::Whole(req, frames, held))) => Some((req, frames, held, read_us)),
+    }
+}
+
+/// The answer to a request read whole from `peer`; a pushed input takes `held` along.
+async fn answer(
+    shared: &Arc<Shared>,
+    peer: PeerId,
+    req: Request,
+    frames: Vec<Vec<u8>>,
+    held: &mut Option<Held>,
+) -> Reply {
+    match req.op() {
         Op::Info => {
             let mut header = ok(shared, 0);
             header.info = shared.info.lock().clone();
@@ -347,7 +400,9 @@ async fn serve_one(
         Op::Push => match frames.into_iter().next() {
             Some(f) => {
                 // Its bytes stay charged to the pusher while the input waits here.
-                shared.inbox.put(req.call.mb(), req.step, f, Box::new(held));
+                shared
+                    .inbox
+                    .put(req.call.mb(), req.step, f, Box::new(held.take()));
                 shared.counters.served.fetch_add(1, Ordering::Relaxed);
                 Reply {
                     header: ok(shared, 0),
@@ -357,31 +412,7 @@ async fn serve_one(
             None => refusal(shared, ErrorKind::BadRequest, "a push carries the input"),
         },
         Op::Forward | Op::Backward => compute(shared, req, frames).await,
-    };
-    let out_bytes: u64 = reply.frames.iter().map(|f| f.len() as u64).sum();
-    let c = &shared.counters;
-    match op {
-        Op::Forward | Op::Backward | Op::Push => {
-            c.read_us.fetch_add(read_us, Ordering::Relaxed);
-            c.stage_in.fetch_add(in_bytes, Ordering::Relaxed);
-            c.stage_out.fetch_add(out_bytes, Ordering::Relaxed);
-        }
-        Op::Avg => {
-            c.avg_in.fetch_add(in_bytes, Ordering::Relaxed);
-        }
-        Op::StateChunk | Op::StateUpdate => {
-            c.state_out.fetch_add(out_bytes, Ordering::Relaxed);
-        }
-        Op::Info | Op::StateInfo | Op::StateHashes => {}
     }
-    if let Some(e) = &reply.header.error {
-        note_refusal(shared, peer, e.kind, &e.message);
-    }
-    let t_write = Instant::now();
-    let more = respond(stream, &reply).await;
-    c.write_us
-        .fetch_add(t_write.elapsed().as_micros() as u64, Ordering::Relaxed);
-    more
 }
 
 fn check(shared: &Shared, req: &Request) -> Option<Reply> {
