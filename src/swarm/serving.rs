@@ -319,7 +319,8 @@ impl Ctx {
     }
 
     /// Downloads the stage's state from `donors` into `replica` (nothing when there are
-    /// none), trying a few times: donors can be busy or leaving, and a peer never serves a
+    /// none: a stage that already has replicas starts from their state, not the init),
+    /// trying a few times: donors can be busy or leaving, and a peer never serves a
     /// state that did not download whole and check out.
     async fn download_state(
         &self,
