@@ -14,7 +14,7 @@
 //! Memory is every replica's peak resident set, the joiner's included, against the stage's
 //! state (parameters + two moments, f32).
 
-use super::bench_swarm::{bench_trainer_args, in_scratch, replica_args, start_run};
+use super::bench_swarm::{bench_trainer_args, in_scratch, replica_args, start_replicas, start_run};
 use super::scenarios::{BenchOptions, ReplicaSpec, Row, Setup};
 use super::{stop_all, HarnessError, Proc};
 use shoal::averaging::AvgSnapshot;
@@ -183,21 +183,14 @@ fn run_in(
         Proc::spawn(exe, dir, name, &args)
     };
     boot.wait_ready(Duration::from_secs(60))?;
-    let mut peers = Vec::new();
-    for (i, r) in setup.replicas.iter().enumerate() {
-        let mut p = start(
-            &format!("stage{}-replica{i}", r.stage),
-            r,
-            &r.stage.to_string(),
-        )?;
-        p.wait_for("serving", Duration::from_secs(300), |e| {
-            matches!(e, Event::Serving { .. }).then_some(())
-        })?;
-        peers.push(p);
-    }
-    for p in peers.iter_mut() {
-        p.wait_ready(Duration::from_secs(300))?;
-    }
+    let (peers, _) = start_replicas(
+        setup,
+        (exe, dir),
+        (&m.id, &baddr),
+        in_flight,
+        Duration::from_secs(300),
+    )?;
+    let peers: Vec<Proc> = peers.into_iter().map(|(_, p)| p).collect();
     let mut trainers = Vec::new();
     for (t, l) in setup.trainers.iter().enumerate() {
         let args = bench_trainer_args(setup, &m.id, &baddr, l, t);

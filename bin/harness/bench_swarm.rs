@@ -218,7 +218,13 @@ fn run_in(
     let exe = &opts.exe;
     let (m, mut boot, baddr) = start_run(setup, exe, dir)?;
     let in_flight = setup.concurrency * setup.trainers.len();
-    let (mut peers, compute) = start_replicas(setup, exe, dir, (&m.id, &baddr), in_flight)?;
+    let (mut peers, compute) = start_replicas(
+        setup,
+        (exe, dir),
+        (&m.id, &baddr),
+        in_flight,
+        Duration::from_secs(60),
+    )?;
     let mut trainers = Vec::new();
     for (t, l) in setup.trainers.iter().enumerate() {
         let args = bench_trainer_args(setup, &m.id, &baddr, l, t);
@@ -351,19 +357,20 @@ fn run_in(
 }
 
 /// The replicas running, each with its index in `setup.replicas`.
-type Running = Vec<(usize, Proc)>;
+pub(super) type Replicas = Vec<(usize, Proc)>;
 
 /// Starts every replica of `setup` (of run `id`, bootstrapped at `baddr`) one after
-/// another, each once it reported its throughput; returns them (with their index in
+/// another, each once the one before reported its throughput (`serving`), then waits until
+/// every one is ready, each wait at most `wait`; returns them (with their index in
 /// `setup.replicas`) and those throughputs.
-fn start_replicas(
+pub(super) fn start_replicas(
     setup: &Setup,
-    exe: &Path,
-    dir: &Path,
+    (exe, dir): (&Path, &Path),
     (id, baddr): (&str, &str),
     in_flight: usize,
-) -> Result<(Running, Vec<f64>), HarnessError> {
-    let mut peers: Running = Vec::new();
+    wait: Duration,
+) -> Result<(Replicas, Vec<f64>), HarnessError> {
+    let mut peers: Replicas = Vec::new();
     let mut compute = Vec::new();
     for (i, r) in setup.replicas.iter().enumerate() {
         let name = format!("stage{}-replica{i}", r.stage);
@@ -376,7 +383,7 @@ fn start_replicas(
             in_flight,
         );
         let mut p = Proc::spawn(exe, dir, &name, &args)?;
-        let tp = p.wait_for("its throughput", Duration::from_secs(60), |e| match e {
+        let tp = p.wait_for("its throughput", wait, |e| match e {
             Event::Serving { samples_per_s, .. } => Some(*samples_per_s),
             _ => None,
         })?;
@@ -384,7 +391,7 @@ fn start_replicas(
         peers.push((i, p));
     }
     for (_, p) in peers.iter_mut() {
-        p.wait_ready(Duration::from_secs(60))?;
+        p.wait_ready(wait)?;
     }
     Ok((peers, compute))
 }
@@ -408,7 +415,7 @@ fn window_seconds(setup: &Setup, opts: &BenchOptions) -> f64 {
 /// replica left to kill).
 fn churn_kill(
     setup: &Setup,
-    peers: &mut Running,
+    peers: &mut Replicas,
     (id, baddr, exe, dir): (&str, &str, &Path, &Path),
     in_flight: usize,
     killed: usize,
