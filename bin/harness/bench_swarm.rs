@@ -209,6 +209,10 @@ pub(super) fn start_run(
     Ok((m, boot, baddr))
 }
 
+/// How long a window of synchronous steps waits past its end for the completion it closes
+/// on (a step that long has stalled: the window closes anyway).
+const MAX_CLOSE_WAIT: Duration = Duration::from_secs(60);
+
 fn run_in(
     setup: &Setup,
     opts: &BenchOptions,
@@ -247,11 +251,25 @@ fn run_in(
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
     let bar = crate::progress::Bar::new((opts.warmup + seconds).ceil() as u64, "seconds");
-    while Instant::now() < end || at_warm.is_none() {
+    // With synchronous steps samples complete in bursts, one burst a step. The window opens
+    // on a completion; closed at a fixed time it would end part-way through a step whose
+    // samples have not completed yet (half a step short on average: ~10% of a 30 s window
+    // of 6 s steps). So it closes on the first completion after its end, as it opened.
+    let mut closing: Option<u64> = None;
+    let closed_at = loop {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
         read_counters(&mut peers, &mut latest, &mut first, &mut seen);
         let now = Instant::now();
+        if at_warm.is_some() && now >= end {
+            let c = Progress::sum(&last).completed;
+            let waited_enough = now >= end + MAX_CLOSE_WAIT;
+            match closing {
+                Some(c0) if c <= c0 && setup.sync && !waited_enough => {}
+                None if setup.sync && !waited_enough => closing = Some(c),
+                _ => break (now, Progress::sum(&last)),
+            }
+        }
         let started_work = Progress::sum(&last).completed > 0;
         if at_warm.is_none() && now >= warm_end && (started_work || now >= latest_open) {
             at_warm = Some((now, Progress::sum(&last)));
@@ -260,7 +278,7 @@ fn run_in(
         }
         if let (Some(n), Some((_, p0))) = (opts.samples, &at_warm) {
             if Progress::sum(&last).completed.saturating_sub(p0.completed) >= n {
-                break;
+                break (now, Progress::sum(&last));
             }
         }
         if let (Some(k), Some(period)) = (next_kill, setup.churn) {
@@ -285,14 +303,14 @@ fn run_in(
                 s.wire as f64 / 1e6
             )
         });
-    }
+    };
     bar.clear();
     drain(&mut trainers, &mut last, &mut why);
     read_counters(&mut peers, &mut latest, &mut first, &mut seen);
     let end_readings = latest.clone();
-    let fin = Progress::sum(&last);
+    let (t1, fin) = closed_at;
     let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
-    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    let secs = t1.saturating_duration_since(t0).as_secs_f64().max(1e-9);
     let done = fin.completed.saturating_sub(p0.completed);
     let samples_per_s = done as f64 / secs;
     let bytes_per_sample = fin.wire.saturating_sub(p0.wire) as f64 / (done.max(1)) as f64;
