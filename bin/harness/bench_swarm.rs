@@ -256,6 +256,7 @@ fn run_in(
     // samples have not completed yet (half a step short on average: ~10% of a 30 s window
     // of 6 s steps). So it closes on the first completion after its end, as it opened.
     let mut closing: Option<u64> = None;
+    let mut seen_completed = 0;
     let closed_at = loop {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
@@ -270,7 +271,16 @@ fn run_in(
                 _ => break (now, Progress::sum(&last)),
             }
         }
-        let started_work = Progress::sum(&last).completed > 0;
+        let completed = Progress::sum(&last).completed;
+        // Synchronous steps open on a completion (a warm-up that ends between bursts waits
+        // for the next), so both ends sit at the start of a burst; others once any sample
+        // has completed.
+        let started_work = if setup.sync {
+            completed > seen_completed
+        } else {
+            completed > 0
+        };
+        seen_completed = completed;
         if at_warm.is_none() && now >= warm_end && (started_work || now >= latest_open) {
             at_warm = Some((now, Progress::sum(&last)));
             end = now + Duration::from_secs_f64(seconds);
