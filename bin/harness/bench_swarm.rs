@@ -213,6 +213,77 @@ pub(super) fn start_run(
 /// on (a step that long has stalled: the window closes anyway).
 const MAX_CLOSE_WAIT: Duration = Duration::from_secs(60);
 
+/// The measured window. It opens after the warm-up once the trainers have completed
+/// samples (a trainer of a large vocabulary spends its first seconds building the corpus),
+/// at most a minute late, and closes `seconds` later.
+///
+/// With synchronous steps samples complete in bursts, one burst a step: closed at a fixed
+/// time the window would end part-way through a step whose samples have not completed yet
+/// (half a step short on average: ~10% of a 30 s window of 6 s steps). So it opens on a
+/// completion (a warm-up that ends between bursts waits for the next) and closes on the
+/// first completion after its end: both ends sit at the start of a burst.
+struct Window {
+    sync: bool,
+    warm_end: Instant,
+    latest_open: Instant,
+    seconds: f64,
+    /// When it is due to close, once open.
+    end: Option<Instant>,
+    /// Samples completed at the first poll past `end` (synchronous steps).
+    closing: Option<u64>,
+    /// Samples completed at the last poll before it opened.
+    seen: u64,
+}
+
+/// What a poll of the [`Window`] found.
+enum Edge {
+    Opens,
+    Closes,
+    Neither,
+}
+
+impl Window {
+    fn new(sync: bool, warm_end: Instant, seconds: f64) -> Self {
+        Self {
+            sync,
+            warm_end,
+            latest_open: warm_end + Duration::from_secs(60),
+            seconds,
+            end: None,
+            closing: None,
+            seen: 0,
+        }
+    }
+
+    /// The window at `now`, with `completed` samples completed so far.
+    fn poll(&mut self, now: Instant, completed: u64) -> Edge {
+        if let Some(end) = self.end {
+            let waited_enough = now >= end + MAX_CLOSE_WAIT;
+            return match self.closing {
+                _ if now < end => Edge::Neither,
+                Some(c0) if completed <= c0 && self.sync && !waited_enough => Edge::Neither,
+                None if self.sync && !waited_enough => {
+                    self.closing = Some(completed);
+                    Edge::Neither
+                }
+                _ => Edge::Closes,
+            };
+        }
+        let started_work = if self.sync {
+            completed > self.seen
+        } else {
+            completed > 0
+        };
+        self.seen = completed;
+        if now >= self.warm_end && (started_work || now >= self.latest_open) {
+            self.end = Some(now + Duration::from_secs_f64(self.seconds));
+            Edge::Opens
+        } else {
+            Edge::Neither
+        }
+    }
+}
+
 fn run_in(
     setup: &Setup,
     opts: &BenchOptions,
@@ -239,56 +310,32 @@ fn run_in(
     let started = Instant::now();
     let warm_end = started + Duration::from_secs_f64(opts.warmup);
     let seconds = window_seconds(setup, opts);
-    let mut end = warm_end + Duration::from_secs_f64(seconds);
     let mut at_warm: Option<(Instant, Progress)> = None;
-    // The window opens after the warm-up and once the trainers have completed samples (a
-    // trainer of a large vocabulary spends its first seconds building the corpus), at most
-    // a minute late.
-    let latest_open = warm_end + Duration::from_secs(60);
+    let mut measured = Window::new(setup.sync, warm_end, seconds);
     let (mut latest, mut first) = (Readings::new(), Readings::new());
     let mut seen = Seen::default();
     let mut warm_readings = Readings::new();
     let mut next_kill = setup.churn.map(|p| started + p);
     let mut killed = 0;
     let bar = crate::progress::Bar::new((opts.warmup + seconds).ceil() as u64, "seconds");
-    // With synchronous steps samples complete in bursts, one burst a step. The window opens
-    // on a completion; closed at a fixed time it would end part-way through a step whose
-    // samples have not completed yet (half a step short on average: ~10% of a 30 s window
-    // of 6 s steps). So it closes on the first completion after its end, as it opened.
-    let mut closing: Option<u64> = None;
-    let mut seen_completed = 0;
     let closed_at = loop {
         std::thread::sleep(Duration::from_millis(100));
         drain(&mut trainers, &mut last, &mut why);
         read_counters(&mut peers, &mut latest, &mut first, &mut seen);
         let now = Instant::now();
-        if at_warm.is_some() && now >= end {
-            let c = Progress::sum(&last).completed;
-            let waited_enough = now >= end + MAX_CLOSE_WAIT;
-            match closing {
-                Some(c0) if c <= c0 && setup.sync && !waited_enough => {}
-                None if setup.sync && !waited_enough => closing = Some(c),
-                _ => break (now, Progress::sum(&last)),
+        let progress = Progress::sum(&last);
+        match measured.poll(now, progress.completed) {
+            Edge::Closes => break (now, progress),
+            Edge::Opens => {
+                at_warm = Some((now, progress));
+                warm_readings = latest.clone();
             }
-        }
-        let completed = Progress::sum(&last).completed;
-        // Synchronous steps open on a completion (a warm-up that ends between bursts waits
-        // for the next), so both ends sit at the start of a burst; others once any sample
-        // has completed.
-        let started_work = if setup.sync {
-            completed > seen_completed
-        } else {
-            completed > 0
-        };
-        seen_completed = completed;
-        if at_warm.is_none() && now >= warm_end && (started_work || now >= latest_open) {
-            at_warm = Some((now, Progress::sum(&last)));
-            end = now + Duration::from_secs_f64(seconds);
-            warm_readings = latest.clone();
+            Edge::Neither => {}
         }
         if let (Some(n), Some((_, p0))) = (opts.samples, &at_warm) {
-            if Progress::sum(&last).completed.saturating_sub(p0.completed) >= n {
-                break (now, Progress::sum(&last));
+            let progress = Progress::sum(&last);
+            if progress.completed.saturating_sub(p0.completed) >= n {
+                break (now, progress);
             }
         }
         if let (Some(k), Some(period)) = (next_kill, setup.churn) {
