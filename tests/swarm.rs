@@ -57,6 +57,11 @@ fn pc(run: RunSource, bootstrap: Vec<Multiaddr>, stage: StageChoice) -> PeerConf
 }
 
 async fn start(cfg: PeerConfig) -> Peer {
+    // `RUST_LOG` shows the peers' logs (captured per test, printed for a failing one).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     Peer::start(cfg, |_| {}).await.unwrap()
 }
 
@@ -1170,4 +1175,44 @@ async fn centered_clip_keeps_one_bad_replica_of_four_from_ruining_the_run() {
             assert!(rejected > 0, "NaN parts were not rejected");
         }
     }
+}
+
+/// In outer mode a replica that starts while the stage is mid-interval, or falls behind,
+/// downloads the whole state (parameters, moments, outer parameters and momentum): its
+/// resync once asked for the size of the first three only and failed for ever, and with
+/// it the trainers whose calls it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outer_run_takes_in_a_replica_that_joins_mid_interval() {
+    let _g = SERIAL.lock().await;
+    let mut cfg = run_config_of(2, 16);
+    cfg.averaging.mode = Some(AveragingMode::Outer);
+    cfg.averaging.outer_every = Some(4);
+    cfg.validate().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = swarm(&dir, &cfg, 1).await;
+    let t = trainers(&s, 2, 400).await;
+    let t0 = Instant::now();
+    while s.peers[1].service().unwrap().status().params_step < 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the run did not get going"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = pc(
+        RunSource::Id(s.m.id.clone()),
+        vec![s.addr.clone()],
+        StageChoice::Index(1),
+    );
+    s.peers.push(start(c).await);
+    wait_trainers(&t, Duration::from_secs(120)).await;
+    let refs: Vec<&Peer> = s.peers.iter().collect();
+    settle(&refs).await;
+    let joiner = s.peers[2].service().unwrap().status();
+    assert!(
+        joiner.params_step >= 16,
+        "the joiner stopped at step {}",
+        joiner.params_step
+    );
+    stop_all(t, s).await;
 }

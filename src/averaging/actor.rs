@@ -467,6 +467,9 @@ impl State {
         // first that, then the whole state if the donors do not keep them.
         let replica = self.service.replica();
         let replayed = updates::catch_up(&self.client, self.stage, self.me, donors, &replica).await;
+        if let Err(e) = &replayed {
+            self.debug(|| format!("behind: replaying the donors' updates failed: {e}"));
+        }
         if let Ok(n) = replayed {
             if n > 0 {
                 self.debug(|| format!("caught up by replaying {n} update(s)"));
@@ -478,9 +481,12 @@ impl State {
                 return;
             }
         }
-        let len = self.n * 3;
+        // Parameters and the optimizer's moments, and in outer mode the outer parameters
+        // and momentum as well.
+        let len = replica.lock().await.snapshot_len();
         let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng, None).await;
         if let Err(e) = &r {
+            self.debug(|| format!("behind: downloading the state failed: {e}"));
             *self.stats.last_error.lock() = Some(e.to_string());
         }
         if let Ok((snap, _)) = r {
@@ -492,8 +498,12 @@ impl State {
                     .map_err(|_| ())
             })
             .await;
+            if !matches!(ok, Ok(Ok(()))) {
+                self.debug(|| "behind: the downloaded state did not restore".to_string());
+            }
             if matches!(ok, Ok(Ok(()))) {
                 self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+                self.debug(|| "behind: restored a donor's state".to_string());
                 // The download took time: replay what the donors applied meanwhile.
                 if let Ok(n) =
                     updates::catch_up(&self.client, self.stage, self.me, donors, &replica).await
