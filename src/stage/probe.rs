@@ -14,7 +14,7 @@ use crate::model::{ModelError, Stage, Upstream};
 use crate::net::NetHandle;
 use candle_core::{Device, Tensor};
 use libp2p::{Multiaddr, PeerId};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Why a probe failed.
 #[derive(Debug, thiserror::Error)]
@@ -108,10 +108,31 @@ struct Routed {
     rtt_ms: f64,
 }
 
+/// Reads of the run's announcements [`route`] makes before it says a stage has none.
+const ROUTE_READS: u32 = 4;
+
+/// One replica per stage (see [`route_once`]). A peer that has just joined may find no
+/// provider of a stage in its first walk (its routing table holds only its bootstrap
+/// peers): a stage without announcements is looked up again after 1, 2 and 4 s.
+async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<Routed>, ProbeError> {
+    let mut pause = Duration::from_secs(1);
+    for _ in 1..ROUTE_READS {
+        match route_once(net, m).await {
+            Err(ProbeError::NoReplica(s)) => {
+                tracing::debug!(stage = s, "no replica announced yet; looking again");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            r => return r,
+        }
+    }
+    route_once(net, m).await
+}
+
 /// One replica per stage: the one of highest announced throughput that answers (a replica
 /// that died is still announced until its record expires), with its addresses handed to
 /// the network so it can be dialled.
-async fn route(net: &NetHandle, m: &Manifest) -> Result<Vec<Routed>, ProbeError> {
+async fn route_once(net: &NetHandle, m: &Manifest) -> Result<Vec<Routed>, ProbeError> {
     let count = m.config.stages.count;
     let per_stage = registry::read_run(net, &m.id, count)
         .await
