@@ -495,13 +495,15 @@ impl State {
                 r2.blocking_lock()
                     .restore(&snap)
                     .map(|_| ())
-                    .map_err(|_| ())
+                    .map_err(|e| e.to_string())
             })
-            .await;
-            if !matches!(ok, Ok(Ok(()))) {
-                self.debug(|| "behind: the downloaded state did not restore".to_string());
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r);
+            if let Err(e) = &ok {
+                self.debug(|| format!("behind: the downloaded state did not restore: {e}"));
             }
-            if matches!(ok, Ok(Ok(()))) {
+            if ok.is_ok() {
                 self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
                 self.debug(|| "behind: restored a donor's state".to_string());
                 // The download took time: replay what the donors applied meanwhile.
