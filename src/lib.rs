@@ -51,9 +51,10 @@ pub mod wire;
 
 /// candle allocates a fresh buffer for every op; glibc serves large ones with mmap and
 /// hands them back at once, so training spent a third of its time in page faults.
-/// mimalloc keeps freed memory for reuse. Its 2.x line (the crate's `v2` feature): the 3.3
-/// release the crate ships otherwise has known multi-threading faults fixed only in 3.4
-/// (mimalloc issue 1287), and 2.x trained as fast or faster here (BENCHMARKS.md, "Stop 51").
+/// mimalloc keeps freed memory for reuse. The crate builds mimalloc 3.3.2, which has known
+/// multi-threading faults fixed only in 3.4 (mimalloc issue 1287); its 2.x line (the `v2`
+/// feature) trained faster but held twice the memory `../shared/checks/scale.sh` allows a
+/// large stage (BENCHMARKS.md, "Stop 51"), so 3.3.2 stays until a 3.4 crate is available.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
