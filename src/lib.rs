@@ -53,8 +53,9 @@ pub mod wire;
 /// hands them back at once, so training spent a third of its time in page faults.
 /// mimalloc keeps freed memory for reuse. The crate builds mimalloc 3.3.2, which has known
 /// multi-threading faults fixed only in 3.4 (mimalloc issue 1287); its 2.x line (the `v2`
-/// feature) trained faster but held twice the memory `../shared/checks/scale.sh` allows a
-/// large stage (BENCHMARKS.md, "Stop 51"), so 3.3.2 stays until a 3.4 crate is available.
+/// feature) trained faster, but a large stage's replica peaked at 4.4× its state where
+/// `../shared/checks/scale.sh` allows 2.5× (BENCHMARKS.md, "Stop 51"), so 3.3.2 stays until
+/// a crate with 3.4 is available.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
