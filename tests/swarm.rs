@@ -41,6 +41,15 @@ fn run_config_of(stages: usize, steps: u64) -> RunConfig {
     cfg
 }
 
+/// The tests' run in 2 stages with outer averaging every 4 steps.
+fn outer_config(steps: u64) -> RunConfig {
+    let mut cfg = run_config_of(2, steps);
+    cfg.averaging.mode = Some(AveragingMode::Outer);
+    cfg.averaging.outer_every = Some(4);
+    cfg.validate().unwrap();
+    cfg
+}
+
 fn manifest_file(dir: &tempfile::TempDir, cfg: &RunConfig) -> (Manifest, PathBuf) {
     let m = Manifest::from_config(cfg).unwrap();
     let path = dir.path().join("run.toml");
@@ -526,10 +535,7 @@ async fn a_killed_replica_is_replaced_and_nothing_vanishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outer_run_loses_no_sample_to_a_replica_killed_mid_interval() {
     let _g = SERIAL.lock().await;
-    let mut cfg = run_config_of(2, 24);
-    cfg.averaging.mode = Some(AveragingMode::Outer);
-    cfg.averaging.outer_every = Some(4);
-    cfg.validate().unwrap();
+    let cfg = outer_config(24);
     let dir = tempfile::tempdir().unwrap();
     let mut s = swarm(&dir, &cfg, 2).await;
     // More microbatches than the run needs: the trainers stop at its last step (an outer
@@ -1184,10 +1190,7 @@ async fn centered_clip_keeps_one_bad_replica_of_four_from_ruining_the_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outer_run_takes_in_a_replica_that_joins_mid_interval() {
     let _g = SERIAL.lock().await;
-    let mut cfg = run_config_of(2, 16);
-    cfg.averaging.mode = Some(AveragingMode::Outer);
-    cfg.averaging.outer_every = Some(4);
-    cfg.validate().unwrap();
+    let cfg = outer_config(16);
     let dir = tempfile::tempdir().unwrap();
     let mut s = swarm(&dir, &cfg, 1).await;
     let t = trainers(&s, 2, 400).await;
