@@ -365,70 +365,115 @@ fn run_in(
     drain(&mut trainers, &mut last, &mut why);
     read_counters(&mut peers, &mut latest, &mut first, &mut seen);
     let end_readings = latest.clone();
-    let (t1, fin) = closed_at;
-    let (t0, p0) = at_warm.unwrap_or((started, Progress::default()));
-    let secs = t1.saturating_duration_since(t0).as_secs_f64().max(1e-9);
-    let done = fin.completed.saturating_sub(p0.completed);
-    let samples_per_s = done as f64 / secs;
-    let bytes_per_sample = fin.wire.saturating_sub(p0.wire) as f64 / (done.max(1)) as f64;
-    let ratio = if fin.raw > 0 {
-        fin.wire as f64 / fin.raw as f64
-    } else {
-        1.0
-    };
+    let rates = Rates::between(
+        &at_warm.unwrap_or((started, Progress::default())),
+        &closed_at,
+    );
     // Stop the trainers gracefully (SIGTERM): in-flight microbatches finish, and the last
     // line gives the final accounting.
     stop_all(trainers.iter_mut(), Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(300));
     drain(&mut trainers, &mut last, &mut why);
-    let end_p = Progress::sum(&last);
     for w in &why {
         out(format!("  {w}"));
     }
     stop_all(peers.iter_mut().map(|(_, p)| p), Duration::from_secs(15));
-    // The breakdown covers the measured window only: the difference of the readings
-    // taken as it opened and as it closed.
+    let stages = breakdown(setup, (&warm_readings, &end_readings, &first), out);
+    boot.stop();
+    Ok(assemble(
+        setup,
+        &compute,
+        rates,
+        Progress::sum(&last),
+        (killed, seen.peak_rss),
+        stages,
+    ))
+}
+
+/// The window's rates: samples/s and wire bytes per sample between its opening and its
+/// closing (instant, trainers' summed progress), and the run's wire/raw byte ratio.
+struct Rates {
+    samples_per_s: f64,
+    bytes_per_sample: f64,
+    /// Wire bytes over raw bytes over the whole run (1 when nothing was sent).
+    ratio: f64,
+}
+
+impl Rates {
+    fn between((t0, p0): &(Instant, Progress), (t1, fin): &(Instant, Progress)) -> Self {
+        let secs = t1.saturating_duration_since(*t0).as_secs_f64().max(1e-9);
+        let done = fin.completed.saturating_sub(p0.completed);
+        Self {
+            samples_per_s: done as f64 / secs,
+            bytes_per_sample: fin.wire.saturating_sub(p0.wire) as f64 / (done.max(1)) as f64,
+            ratio: if fin.raw > 0 {
+                fin.wire as f64 / fin.raw as f64
+            } else {
+                1.0
+            },
+        }
+    }
+}
+
+/// Per stage, the replicas' counters over the measured window only: the difference of the
+/// readings taken as it opened and as it closed (`first` for replicas that joined inside
+/// it); one line per replica to `out`.
+fn breakdown(
+    setup: &Setup,
+    (warm, end, first): (&Readings, &Readings, &Readings),
+    out: &dyn Fn(String),
+) -> Vec<StageTimes> {
     let mut stages = vec![StageTimes::default(); setup.run.stages.count];
-    for (name, s, t) in window(&warm_readings, &end_readings, &first) {
+    for (name, s, t) in window(warm, end, first) {
         out(format!("  {name}: {}", t.line()));
         if let Some(acc) = stages.get_mut(s) {
             acc.add(&t);
         }
     }
-    boot.stop();
+    stages
+}
+
+/// The row: the window's `rates` against the bound the replicas' measured `compute` and
+/// the links allow, with the trainers' final accounting `end`, the replicas killed and the
+/// highest peak memory, and the per-stage breakdown.
+fn assemble(
+    setup: &Setup,
+    compute: &[f64],
+    rates: Rates,
+    end: Progress,
+    (killed, peak_rss): (usize, u64),
+    stages: Vec<StageTimes>,
+) -> Row {
     // Real stages share this machine's cores (sim stages sleep).
     let real = setup.run.stages.kind.is_model();
     let cores = real.then(|| std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64));
-    let (b, what, slowest) = bound(setup, &compute, ratio, cores);
+    let (b, what, slowest) = bound(setup, compute, rates.ratio, cores);
     let focus = focus_stage(&stages, &what);
-    Ok(Row {
+    let per = |x: f64, of: f64| if of > 0.0 { x / of } else { 0.0 };
+    Row {
         scenario: setup.label.clone(),
-        samples_per_s,
+        samples_per_s: rates.samples_per_s,
         bound: b,
-        efficiency: if b > 0.0 { samples_per_s / b } else { 0.0 },
-        bytes_per_sample,
+        efficiency: per(rates.samples_per_s, b),
+        bytes_per_sample: rates.bytes_per_sample,
         bottleneck: what,
-        utilisation: if slowest > 0.0 {
-            samples_per_s / slowest
-        } else {
-            0.0
-        },
-        fed: end_p.fed,
-        completed: end_p.completed,
-        failed: end_p.failed,
-        vanished: end_p.fed as i64 - end_p.completed as i64 - end_p.failed as i64,
+        utilisation: per(rates.samples_per_s, slowest),
+        fed: end.fed,
+        completed: end.completed,
+        failed: end.failed,
+        vanished: end.fed as i64 - end.completed as i64 - end.failed as i64,
         killed,
-        swaps: end_p.swaps,
+        swaps: end.swaps,
         stages,
         focus,
-        peak_rss_mib: seen.peak_rss as f64 / (1 << 20) as f64,
+        peak_rss_mib: peak_rss as f64 / (1 << 20) as f64,
         large: None,
         stage_count: setup.run.stages.count,
         mode: setup.mode().into(),
         microbatch: setup.run.training.batch_size,
         target_batch: setup.run.target_batch_size(),
-        restarts: end_p.restarts,
-    })
+        restarts: end.restarts,
+    }
 }
 
 /// The replicas running, each with its index in `setup.replicas`.
