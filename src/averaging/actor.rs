@@ -78,6 +78,8 @@ pub(super) struct State {
     pub(super) next_members: Option<NextMembers>,
     /// The step of the last round attempt this replica joined (its frozen sum went out).
     pub(super) joined: Option<u64>,
+    /// The step this replica froze its sum for in the last tick: the next one decides.
+    pub(super) froze: Option<u64>,
     /// The members of the last round this replica completed (sorted): the next round's
     /// members while none joins or leaves ([`plan::expected_members`]).
     pub(super) last_members: Vec<PeerId>,
@@ -113,13 +115,7 @@ impl State {
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
-                    Some(m) if self.guard.is_banned(&m.from, Instant::now()) => {}
-                    Some(m) if !self.left => {
-                        self.moved.clear(&m.from);
-                        let span = self.round_span();
-                        self.on_message(m).instrument(span).await;
-                    }
-                    Some(_) => {}
+                    Some(m) => self.take(m).await,
                     None => return,
                 },
                 Some(peers) = mrx.recv() => {
@@ -169,9 +165,34 @@ impl State {
                     + super::mates::membership_wait(self.cfg.membership_every, quiet);
                 lookup = Some(self.look_up_members(&cache, mtx.clone()));
             }
+            // A step just frozen is decided on only once what came during the freeze (a
+            // large stage's takes seconds) has been read: views of the others as fresh as
+            // the messages waiting, and a leader's `Members` waiting here joined rather
+            // than led past. (Only then: read in a row at every tick, a round's parts kept
+            // the worker thread from its sends, and rounds took ~20% longer.)
+            if self.froze.is_some() {
+                for _ in 0..super::INBOX {
+                    match rx.try_recv() {
+                        Ok(m) => self.take(m).await,
+                        Err(_) => break,
+                    }
+                    tokio::task::yield_now().await;
+                }
+            }
             let span = self.round_span();
             self.tick().instrument(span).await;
         }
+    }
+
+    /// One message from the inbox: dropped while its sender is banned or once this
+    /// replica left its stage.
+    async fn take(&mut self, m: Inbound) {
+        if self.guard.is_banned(&m.from, Instant::now()) || self.left {
+            return;
+        }
+        self.moved.clear(&m.from);
+        let span = self.round_span();
+        self.on_message(m).instrument(span).await;
     }
 
     /// The running attempt's span (none between attempts).
@@ -332,6 +353,21 @@ impl State {
             Some(m) if m.0 > st.params_step => self.next_members = Some(m),
             _ => {}
         }
+        // Abandon an attempt a member passed by without it: it cannot complete.
+        if let (Some(r), Some(t)) = (&self.round, &self.tally) {
+            let own = t.layout().chunks(r.index).len();
+            let cfg = &self.cfg;
+            if let Some(p) =
+                plan::passed_by(r.step, &r.members, &r.heard, own, &self.views, now, cfg)
+            {
+                let (step, attempt) = r.key();
+                self.debug(|| {
+                    format!("round {step}/{attempt}: member {p} is past step {step} without it: abandoned")
+                });
+                self.stats.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                self.end_round(false);
+            }
+        }
         // Abandon a round past its deadline (frozen sums stay for the next attempt).
         if let Some(r) = &self.round {
             if Instant::now() > r.deadline {
@@ -350,10 +386,11 @@ impl State {
                 self.end_round(false);
             }
         }
+        // Set by the last tick's freeze; spent by this one (a round may have started since).
+        let froze = self.froze.take();
         if self.round.is_some() {
             return;
         }
-        let mut st = st;
         if plan::batch_full(&self.input(&View::of(&st, now)), now, &self.cfg) {
             // Off the async threads: encoding a large stage's sum takes a while. A failed
             // freeze leaves the sum to the round's own.
@@ -361,8 +398,15 @@ impl State {
             let (step, chunk) = (st.params_step, round::chunk_for(self.n));
             let _ = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec)).await;
             self.debug(|| format!("step {step}'s batch is full: froze {}", st.accum_count));
-            st = self.status();
+            let st = self.status();
             self.heartbeat(&st);
+            // The freeze may have taken seconds: the next tick decides, once what came
+            // meanwhile has been read.
+            self.froze = Some(step);
+            return;
+        }
+        if froze == Some(st.params_step) && st.frozen_count > 0 {
+            let step = st.params_step;
             // Not the leader, and the leader will lead the last round's members: start
             // that attempt now rather than when its `Members` arrives.
             let mine = View::of(&st, Instant::now());

@@ -62,6 +62,9 @@ impl State {
             }
             return;
         }
+        if let Some(r) = &mut self.round {
+            r.heard.insert(m.from);
+        }
         let Some(frame) = m.frames.into_iter().next() else {
             return;
         };
@@ -265,6 +268,7 @@ impl State {
             lost,
             deadline: Instant::now() + timeout,
             started: Instant::now(),
+            heard: Default::default(),
             span: tracing::info_span!(
                 target: "shoal::averaging",
                 "round",

@@ -464,6 +464,7 @@ impl Averager {
             early: Vec::new(),
             next_members: None,
             joined: None,
+            froze: None,
             last_members: Vec::new(),
             last_sent: None,
             last_sent_at: Instant::now(),

@@ -150,6 +150,33 @@ pub struct Timers {
     pub short_since: Option<(Instant, u64)>,
 }
 
+/// A member of the running attempt of `step` that is heard, live, at a later step although
+/// this replica has had nothing from it in the attempt (`heard`): it applied the step some
+/// other way (another attempt without this replica, or a download), so this attempt can
+/// never complete and waiting for its deadline only holds the stage. Read only when this
+/// replica reduces a part of its own (`own_chunks` > 0): every other member then had to
+/// send it that part's chunks before it could apply the step through this attempt, so a
+/// member that did is always in `heard`.
+pub fn passed_by(
+    step: u64,
+    members: &[PeerId],
+    heard: &std::collections::HashSet<PeerId>,
+    own_chunks: usize,
+    views: &HashMap<PeerId, View>,
+    now: Instant,
+    cfg: &AveragerConfig,
+) -> Option<PeerId> {
+    if own_chunks == 0 {
+        return None;
+    }
+    members.iter().copied().find(|p| {
+        !heard.contains(p)
+            && views
+                .get(p)
+                .is_some_and(|v| v.is_live(now, cfg.live_timeout) && v.params_step > step)
+    })
+}
+
 /// The leader of the replicas at this replica's step: the smallest peer id among them.
 pub fn leader(me: PeerId, same: &[(PeerId, &View)]) -> PeerId {
     same.iter()

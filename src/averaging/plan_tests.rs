@@ -477,3 +477,30 @@ fn a_replica_expects_the_last_rounds_members_only_while_none_joined_left_or_lags
     w.hear(p[3], view(6, 3, "h", t0));
     assert_eq!(expected_members(&w.input(), &last, later, &c), Some(last));
 }
+
+#[test]
+fn an_attempt_a_member_passed_by_without_it_is_over() {
+    let t0 = Instant::now();
+    let c = cfg(8);
+    let p = peers(3);
+    let (me, a, b) = (p[0], p[1], p[2]);
+    let members = vec![me, a, b];
+    let mut views = HashMap::new();
+    views.insert(a, view(5, 0, "h", t0));
+    views.insert(b, view(6, 0, "h", t0));
+    let mut heard = std::collections::HashSet::new();
+    // b is at step 6 and sent nothing in the attempt of step 5: it applied 5 elsewhere.
+    assert_eq!(passed_by(5, &members, &heard, 3, &views, t0, &c), Some(b));
+    // Had it sent a part here, it may have applied 5 through this very attempt.
+    heard.insert(b);
+    assert_eq!(passed_by(5, &members, &heard, 3, &views, t0, &c), None);
+    heard.clear();
+    // With no part of its own, this replica cannot tell: no member had to send it anything.
+    assert_eq!(passed_by(5, &members, &heard, 0, &views, t0, &c), None);
+    // A view gone quiet says nothing of where the member is now.
+    let late = t0 + c.live_timeout + ms(1);
+    assert_eq!(passed_by(5, &members, &heard, 3, &views, late, &c), None);
+    // Members still at the step are waited for.
+    views.insert(b, view(5, 0, "h", t0));
+    assert_eq!(passed_by(5, &members, &heard, 3, &views, t0, &c), None);
+}

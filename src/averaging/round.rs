@@ -57,6 +57,8 @@ pub struct Round {
     pub deadline: Instant,
     /// When this replica froze its gradients for it.
     pub started: Instant,
+    /// Members this replica has had a part or a reduced chunk from in this attempt.
+    pub heard: std::collections::HashSet<PeerId>,
     /// The attempt's tracing span (`round{step,attempt,members}`): what the averager logs
     /// while the attempt runs is inside it.
     pub span: tracing::Span,
