@@ -25,8 +25,11 @@ use std::sync::Arc;
 /// They are on disk: up to 12 bytes per parameter in `$TMPDIR` (48 with f32 gradients).
 pub const KEPT: usize = 12;
 
-/// Update chunks a replica catching up has in flight.
+/// Update chunks a replica catching up has in flight, per donor.
 const IN_FLIGHT: usize = 8;
+
+/// Donors an update's chunks are spread over, at most.
+const SPREAD: usize = 4;
 
 /// One applied update on disk.
 struct Entry {
@@ -184,10 +187,22 @@ pub async fn catch_up(
             check_chunks(&info, numel).map_err(|e| format!("donor {d}: {e}"))?;
             let mut chunks: ReducedChunks = Vec::with_capacity(info.chunks as usize);
             chunks.push((info.start as usize..info.end as usize, Arc::new(first)));
-            // A few calls in flight, so the link's round trip does not idle it.
+            // The other chunks spread over every donor (they hold the same update, checked
+            // below), a few calls in flight per donor, so neither one donor's uplink (busy
+            // with its own rounds) nor the link's round trip bounds the replay; a chunk a
+            // donor does not serve is asked of `d`, which served the first. (At most
+            // `SPREAD` donors: calls in flight, and their buffers, grow with them.)
+            let per = donors.len().clamp(1, SPREAD);
             let rest: Vec<_> = futures::stream::iter(1..info.chunks)
-                .map(|i| async move { (i, client.state_update(d, stage, step, i).await) })
-                .buffered(IN_FLIGHT)
+                .map(|i| async move {
+                    let by = donors[i as usize % per];
+                    let got = match client.state_update(by, stage, step, i).await {
+                        Err(_) if by != d => client.state_update(d, stage, step, i).await,
+                        got => got,
+                    };
+                    (i, got)
+                })
+                .buffered(IN_FLIGHT * per)
                 .collect()
                 .await;
             for (i, got) in rest {
@@ -209,6 +224,7 @@ pub async fn catch_up(
             .map_err(|e| e.to_string())?;
             done?;
             applied += 1;
+            tracing::debug!(target: "shoal::averaging", stage, step, from = %d, "replayed the update of step {step}");
             continue 'steps;
         }
         return Ok(applied);
