@@ -66,11 +66,14 @@ impl Predictor {
         self.lag += LAG_WEIGHT * (lag - self.lag);
     }
 
-    /// A copy of the parameters before an update (none when off).
-    pub fn before_update(&self, params: &ParamSet) -> candle_core::Result<Option<Vec<Tensor>>> {
+    /// A copy of the parameters before an update (none when off). The last update's Δ is
+    /// freed first (this update's replaces it), so the copy takes its room: a stage holds
+    /// one parameter-sized copy for prediction, not three, while it updates.
+    pub fn before_update(&mut self, params: &ParamSet) -> candle_core::Result<Option<Vec<Tensor>>> {
         if !self.enabled {
             return Ok(None);
         }
+        self.delta = None;
         params
             .vars()
             .iter()
@@ -79,7 +82,8 @@ impl Predictor {
             .map(Some)
     }
 
-    /// Records the update just applied (`before`: the copy [`Self::before_update`] took).
+    /// Records the update just applied (`before`: the copy [`Self::before_update`] took),
+    /// each parameter's copy freed as its Δ is made.
     pub fn after_update(
         &mut self,
         params: &ParamSet,
@@ -90,7 +94,7 @@ impl Predictor {
                 params
                     .vars()
                     .iter()
-                    .zip(&b)
+                    .zip(b)
                     .map(|(v, old)| v.as_tensor() - old)
                     .collect::<candle_core::Result<Vec<_>>>()?,
             ),
@@ -175,7 +179,7 @@ mod tests {
         }
         assert_eq!(flat(p), now, "restored exactly");
         // Off: nothing moves.
-        let off = Predictor::new(false);
+        let mut off = Predictor::new(false);
         assert!(off.before_update(p).unwrap().is_none());
         let seen = off
             .shifted::<_, candle_core::Error>(p, 2.0, || Ok(flat(p)))
