@@ -196,11 +196,20 @@ impl AvgServer {
         let cached_step = newest.as_ref().map(|e| e.info.step);
         let (replica, chunk, dir) = (Arc::clone(&self.replica), self.chunk, self.dir.clone());
         let spill = tokio::task::spawn_blocking(move || {
+            let asked = std::time::Instant::now();
             let r = replica.blocking_lock();
             if Some(r.params_step()) == cached_step {
                 return Ok(None);
             }
-            Spill::write(&r, chunk, &dir).map(Some)
+            let locked = asked.elapsed().as_secs_f64();
+            let spill = Spill::write(&r, chunk, &dir).map(Some);
+            tracing::debug!(
+                target: "shoal::averaging",
+                step = r.params_step(),
+                "state offered: replica locked after {locked:.1} s, spilled after {:.1} s",
+                asked.elapsed().as_secs_f64()
+            );
+            spill
         })
         .await
         .map_err(|e| internal(e.to_string()))?

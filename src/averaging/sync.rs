@@ -272,8 +272,15 @@ pub async fn download(
     for i in (1..donors.len()).rev() {
         donors.swap(i, rng.below(i as u64 + 1) as usize);
     }
+    let offered_s = started.elapsed().as_secs_f64();
     let hashes = fetch_hashes(client, stage, &info, &donors).await?;
     let setup_s = started.elapsed().as_secs_f64();
+    tracing::debug!(
+        target: "shoal::averaging",
+        stage,
+        donors = donors.len(),
+        "state offers after {offered_s:.1} s, chunk hashes after {setup_s:.1} s"
+    );
     // Start at a random chunk, so joiners arriving together do not all begin on one.
     let n = info.chunks as usize;
     let offset = rng.below(n.max(1) as u64) as usize;
