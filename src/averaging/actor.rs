@@ -7,8 +7,7 @@ use super::plan::{self, Decision, View};
 use super::round::{self, Round, Tally};
 use super::send::{Abandoned, Bulk, Outgoing};
 use super::server::{Inbound, Inbox};
-use super::sync;
-use super::updates::{self, UpdateLog};
+use super::updates::UpdateLog;
 use super::{AveragerConfig, AvgStats};
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
@@ -489,78 +488,6 @@ impl State {
             short_since: self.timers.short_since,
             left_lost: self.left_lost,
             ahead: u64::from(self.service.held_ahead()),
-        }
-    }
-
-    async fn resync(&mut self, donors: &[PeerId]) {
-        if donors.is_empty() {
-            return;
-        }
-        // A sum frozen for this step that went to no round is in no update the donors
-        // applied: a replay would drop it unseen, so it is counted as dropped here.
-        let st = self.status();
-        if st.frozen_count > 0 && self.joined != Some(st.params_step) {
-            let step = st.params_step;
-            let n = self.service.replica().lock().await.drop_unsent(step);
-            self.service.refresh_status().await;
-            self.debug(|| {
-                format!("behind: dropped {n} samples frozen for {step}, sent to no round")
-            });
-        }
-        // Replaying the updates missed moves a twelfth of the state per step (int8):
-        // first that, then the whole state if the donors do not keep them.
-        let replica = self.service.replica();
-        let replayed = updates::catch_up(&self.client, self.stage, self.me, donors, &replica).await;
-        if let Err(e) = &replayed {
-            self.debug(|| format!("behind: replaying the donors' updates failed: {e}"));
-        }
-        if let Ok(n) = replayed {
-            if n > 0 {
-                self.debug(|| format!("caught up by replaying {n} update(s)"));
-                self.stats.replays.fetch_add(n, Ordering::Relaxed);
-                self.service.refresh_status().await;
-                self.end_round(false);
-                self.early.clear();
-                self.next_members = None;
-                return;
-            }
-        }
-        // Parameters and the optimizer's moments, and in outer mode the outer parameters
-        // and momentum as well.
-        let len = replica.lock().await.snapshot_len();
-        let r = sync::download(&self.client, self.stage, donors, len, &mut self.rng, None).await;
-        if let Err(e) = &r {
-            self.debug(|| format!("behind: downloading the state failed: {e}"));
-            *self.stats.last_error.lock() = Some(e.to_string());
-        }
-        if let Ok((snap, _)) = r {
-            let r2 = Arc::clone(&replica);
-            let ok = tokio::task::spawn_blocking(move || {
-                r2.blocking_lock()
-                    .restore(&snap)
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            })
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r);
-            if let Err(e) = &ok {
-                self.debug(|| format!("behind: the downloaded state did not restore: {e}"));
-            }
-            if ok.is_ok() {
-                self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
-                self.debug(|| "behind: restored a donor's state".to_string());
-                // The download took time: replay what the donors applied meanwhile.
-                if let Ok(n) =
-                    updates::catch_up(&self.client, self.stage, self.me, donors, &replica).await
-                {
-                    self.stats.replays.fetch_add(n, Ordering::Relaxed);
-                }
-                self.service.refresh_status().await;
-                self.end_round(false);
-                self.early.clear();
-                self.next_members = None;
-            }
         }
     }
 
