@@ -288,10 +288,7 @@ impl super::actor::State {
                 self.stats
                     .replays
                     .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                self.service.refresh_status().await;
-                self.end_round(false);
-                self.early.clear();
-                self.next_members = None;
+                self.restart_from_new_state().await;
                 return;
             }
         }
@@ -329,12 +326,19 @@ impl super::actor::State {
                         .replays
                         .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
                 }
-                self.service.refresh_status().await;
-                self.end_round(false);
-                self.early.clear();
-                self.next_members = None;
+                self.restart_from_new_state().await;
             }
         }
+    }
+
+    /// After the replica's state moved under the averager (replayed or downloaded): its
+    /// status read afresh, and the round, early parts and held `Members` of the old step
+    /// dropped.
+    async fn restart_from_new_state(&mut self) {
+        self.service.refresh_status().await;
+        self.end_round(false);
+        self.early.clear();
+        self.next_members = None;
     }
 }
 
