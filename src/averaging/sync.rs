@@ -15,7 +15,7 @@ use crate::rng::Rng;
 use crate::stage::client::StageClient;
 use crate::stage::replica::Snapshot;
 use crate::wire::msg::{StateInfo, HASH_PAGE};
-use futures::future::join_all;
+use futures::stream::{FuturesUnordered, StreamExt};
 use libp2p::PeerId;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
@@ -228,8 +228,26 @@ impl Work<'_> {
     }
 }
 
+/// How long a download waits, after the first donor's offer, for others to offer the
+/// same snapshot before it starts; later offers of that snapshot still join as they come
+/// (a donor writes its snapshot to disk before it answers: seconds for a large stage, and
+/// the slowest of several must not hold up the rest).
+const OFFER_GRACE: Duration = Duration::from_millis(500);
+
+/// The offer to download: the newest step, and among offers of one step the one the most
+/// donors made (by index into the donors' list).
+fn best_offer(offers: &[(usize, StateInfo)]) -> Option<StateInfo> {
+    let mut groups: BTreeMap<(u64, usize), StateInfo> = BTreeMap::new();
+    for (_, info) in offers {
+        let n = offers.iter().filter(|(_, i)| i == info).count();
+        groups.insert((info.step, n), info.clone());
+    }
+    groups.into_values().next_back()
+}
+
 /// Downloads the newest agreed snapshot of `stage` from `candidates`, counting its
-/// progress in `fetched` when given.
+/// progress in `fetched` when given. It starts once the first donors have offered (see
+/// [`OFFER_GRACE`]); donors that offer the same snapshot later join the download.
 pub async fn download(
     client: &StageClient,
     stage: usize,
@@ -239,46 +257,57 @@ pub async fn download(
     fetched: Option<&Fetched>,
 ) -> Result<(Snapshot, SyncReport), SyncError> {
     let started = std::time::Instant::now();
-    let infos = join_all(
-        candidates
-            .iter()
-            .map(|&p| async move { (p, client.state_info(p, stage).await) }),
-    )
-    .await;
+    // Shuffle so concurrent joiners spread over the donors.
+    let mut peers = candidates.to_vec();
+    for i in (1..peers.len()).rev() {
+        peers.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut asking: FuturesUnordered<_> = peers
+        .iter()
+        .enumerate()
+        .map(|(k, &p)| async move { (k, client.state_info(p, stage).await) })
+        .collect();
     let mut errors = Vec::new();
-    // Group donors by what they offer; the newest step with the most donors wins.
-    let mut offers: Vec<(StateInfo, Vec<PeerId>)> = Vec::new();
-    for (p, r) in infos {
-        match r {
-            Ok(info) => match offers.iter_mut().find(|(i, _)| *i == info) {
-                Some((_, ps)) => ps.push(p),
-                None => offers.push((info, vec![p])),
+    let mut offers: Vec<(usize, StateInfo)> = Vec::new();
+    let mut grace: Option<tokio::time::Instant> = None;
+    while !asking.is_empty() {
+        let answer = match grace {
+            Some(at) => match tokio::time::timeout_at(at, asking.next()).await {
+                Ok(a) => a,
+                Err(_) => break,
             },
-            Err(e) => errors.push(format!("{p}: {e}")),
+            None => asking.next().await,
+        };
+        match answer {
+            Some((k, Ok(info))) => {
+                grace.get_or_insert_with(|| tokio::time::Instant::now() + OFFER_GRACE);
+                offers.push((k, info));
+            }
+            Some((k, Err(e))) => errors.push(format!("{}: {e}", peers[k])),
+            None => break,
         }
     }
-    let mut groups: BTreeMap<(u64, usize), (StateInfo, Vec<PeerId>)> = BTreeMap::new();
-    for (info, ps) in offers {
-        groups.insert((info.step, ps.len()), (info, ps));
-    }
-    let Some((_, (info, mut donors))) = groups.into_iter().next_back() else {
+    let Some(info) = best_offer(&offers) else {
         return Err(SyncError::NoDonor(errors.join("; ")));
     };
     check_offer(&info, want_len)?;
     if let Some(f) = fetched {
         f.start(stage, 4 * want_len as u64);
     }
-    // Shuffle so concurrent joiners spread over the donors.
-    for i in (1..donors.len()).rev() {
-        donors.swap(i, rng.below(i as u64 + 1) as usize);
-    }
+    let first: Vec<usize> = offers
+        .iter()
+        .filter(|(_, i)| *i == info)
+        .map(|(k, _)| *k)
+        .collect();
     let offered_s = started.elapsed().as_secs_f64();
-    let hashes = fetch_hashes(client, stage, &info, &donors).await?;
+    let first_peers: Vec<PeerId> = first.iter().map(|&k| peers[k]).collect();
+    let hashes = fetch_hashes(client, stage, &info, &first_peers).await?;
     let setup_s = started.elapsed().as_secs_f64();
     tracing::debug!(
         target: "shoal::averaging",
         stage,
-        donors = donors.len(),
+        donors = first.len(),
+        asked = peers.len(),
         "state offers after {offered_s:.1} s, chunk hashes after {setup_s:.1} s"
     );
     // Start at a random chunk, so joiners arriving together do not all begin on one.
@@ -289,37 +318,65 @@ pub async fn download(
         flat: Mutex::new(vec![0.0; want_len]),
         hashes: &hashes,
         info: &info,
-        banned: donors.iter().map(|_| AtomicBool::new(false)).collect(),
-        served: donors.iter().map(|_| Mutex::new(0)).collect(),
+        banned: peers.iter().map(|_| AtomicBool::new(false)).collect(),
+        served: peers.iter().map(|_| Mutex::new(0)).collect(),
         last_error: Mutex::new(String::new()),
         fetched,
     };
-    let mut done = 0;
+    let mut donors = first;
+    // Workers in turn across donors (w0 of every donor, then w1, ...): each takes its
+    // first chunk when first polled, so even a state of few chunks spreads over donors.
+    let mut workers: FuturesUnordered<_> = (0..PER_DONOR)
+        .flat_map(|_| donors.iter().copied())
+        .map(|k| work.worker(client, stage, k, peers[k]))
+        .collect();
     // A second pass over the donors still standing picks up chunks given back late.
-    for _ in 0..2 {
-        // Workers in turn across donors (w0 of every donor, then w1, ...): each takes its
-        // first chunk when first polled, so even a state of few chunks spreads over donors.
-        let order = (0..PER_DONOR).flat_map(|_| donors.iter().copied().enumerate());
-        join_all(order.map(|(k, d)| work.worker(client, stage, k, d))).await;
-        done = work.served.iter().map(|s| *s.lock()).sum::<usize>();
-        if done == n {
-            break;
+    let mut second_pass = false;
+    loop {
+        if workers.is_empty() {
+            let done = work.served.iter().map(|s| *s.lock()).sum::<usize>();
+            if done == n {
+                break;
+            }
+            if !second_pass {
+                second_pass = true;
+                workers.extend(
+                    (0..PER_DONOR)
+                        .flat_map(|_| donors.iter().copied())
+                        .map(|k| work.worker(client, stage, k, peers[k])),
+                );
+                continue;
+            }
+            if asking.is_empty() {
+                break;
+            }
+        }
+        tokio::select! {
+            Some(()) = workers.next(), if !workers.is_empty() => {}
+            Some((k, r)) = asking.next(), if !asking.is_empty() => {
+                // A late donor of the same snapshot joins with its own workers.
+                if matches!(&r, Ok(late) if *late == info) && !work.queue.lock().is_empty() {
+                    donors.push(k);
+                    workers.extend((0..PER_DONOR).map(|_| work.worker(client, stage, k, peers[k])));
+                }
+            }
+            else => break,
         }
     }
-    if done < n {
+    drop(workers);
+    if work.served.iter().map(|s| *s.lock()).sum::<usize>() < n {
         let index = work.queue.lock().front().copied().unwrap_or(0) as u32;
         return Err(SyncError::Chunk {
             index,
             cause: work.last_error.lock().clone(),
         });
     }
+    let chunks_per_donor = donors.iter().map(|&k| *work.served[k].lock()).collect();
     let banned = donors
         .iter()
-        .zip(&work.banned)
-        .filter(|(_, b)| b.load(Ordering::Relaxed))
-        .map(|(d, _)| *d)
+        .filter(|&&k| work.banned[k].load(Ordering::Relaxed))
+        .map(|&k| peers[k])
         .collect();
-    let chunks_per_donor = work.served.iter().map(|s| *s.lock()).collect();
     let flat = work.flat.into_inner();
     Ok((
         Snapshot {
@@ -330,7 +387,7 @@ pub async fn download(
             samples_lost: info.samples_lost,
         },
         SyncReport {
-            donors,
+            donors: donors.iter().map(|&k| peers[k]).collect(),
             chunks_per_donor,
             banned,
             setup_s,
@@ -356,6 +413,25 @@ mod tests {
         let hb: Vec<String> = b.chunks(4).map(chunk_hash).collect();
         assert_ne!(root_hash(&hb), root);
         assert_eq!(root_hash(&h[..2]), root_hash(&h[..2]));
+    }
+
+    #[test]
+    fn the_newest_snapshot_is_downloaded_and_of_one_step_the_one_most_donors_offer() {
+        let at = |step, root: &str| StateInfo {
+            step,
+            len: 10,
+            chunk: 4,
+            chunks: 3,
+            root: root.into(),
+            params_hash: String::new(),
+            samples_applied: 0,
+            samples_lost: 0,
+        };
+        assert_eq!(best_offer(&[]), None);
+        let offers = [(0, at(3, "a")), (1, at(4, "b")), (2, at(3, "a"))];
+        assert_eq!(best_offer(&offers), Some(at(4, "b")));
+        let offers = [(0, at(4, "c")), (1, at(4, "b")), (2, at(4, "b"))];
+        assert_eq!(best_offer(&offers), Some(at(4, "b")));
     }
 
     #[test]
