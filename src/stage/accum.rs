@@ -18,6 +18,10 @@ const SEEN_CAP: usize = 1 << 16;
 #[derive(Default)]
 pub struct Accum {
     pub(super) sum: Option<Vec<f32>>,
+    /// The last frozen step's sum buffer, zeroed, kept for the next step's sum: a large
+    /// stage's sum is hundreds of MB, and freeing it at every freeze and allocating it again
+    /// a moment later left the allocator holding both (BENCHMARKS.md, "Stop 53").
+    spare: Option<Vec<f32>>,
     pub(super) count: u64,
     pub(super) frozen: Option<Frozen>,
     pub(super) params_step: u64,
@@ -46,7 +50,10 @@ impl Accum {
                 "{have} gradient values for {numel} parameters"
             )));
         }
-        let sum = self.sum.get_or_insert_with(|| vec![0.0; numel]);
+        let spare = self.spare.take().filter(|v| v.len() == numel);
+        let sum = self
+            .sum
+            .get_or_insert_with(|| spare.unwrap_or_else(|| vec![0.0; numel]));
         let w = samples as f32;
         let mut at = 0;
         for t in grads {
@@ -90,6 +97,7 @@ impl Accum {
     pub(super) fn reset(&mut self, step: u64) -> u64 {
         let dropped = self.count + self.frozen.as_ref().map_or(0, |f| f.count);
         self.sum = None;
+        self.spare = None;
         self.count = 0;
         self.frozen = None;
         self.params_step = step;
@@ -142,9 +150,9 @@ impl Accum {
                 return Ok(f.clone());
             }
         }
-        let sum = self.sum.take().unwrap_or_else(|| vec![0.0; numel]);
+        let mut sum = self.sum.take().unwrap_or_else(|| vec![0.0; numel]);
         let encoded = EncodedSum::encode(&sum, chunk, codec);
-        let sum = match encoded {
+        let encoded = match encoded {
             Ok(e) => e,
             Err(e) => {
                 // Nothing frozen: the sum stays for a later attempt.
@@ -152,9 +160,11 @@ impl Accum {
                 return Err(e);
             }
         };
+        sum.fill(0.0);
+        self.spare = Some(sum);
         let f = Frozen {
             step,
-            sum: Arc::new(sum),
+            sum: Arc::new(encoded),
             count: std::mem::take(&mut self.count),
         };
         self.frozen = Some(f.clone());
