@@ -333,6 +333,22 @@ impl State {
         }
     }
 
+    /// Waits for `job` (a freeze or an apply: seconds on a large stage) while telling the
+    /// stage's other replicas every heartbeat that this one is alive, as `st` showed it: a
+    /// mate deciding meanwhile must not count it gone.
+    pub(super) async fn beating<T>(
+        &mut self,
+        st: &ReplicaStatus,
+        mut job: tokio::task::JoinHandle<T>,
+    ) -> Result<T, tokio::task::JoinError> {
+        loop {
+            tokio::select! {
+                r = &mut job => return r,
+                () = tokio::time::sleep(self.cfg.heartbeat) => self.heartbeat(st),
+            }
+        }
+    }
+
     async fn tick(&mut self) {
         // A replica not heard from for long is forgotten (any leader counted what it held
         // as lost within seconds); it is heard from again if it is alive.
@@ -395,7 +411,8 @@ impl State {
             // freeze leaves the sum to the round's own.
             let (service, codec) = (Arc::clone(&self.service), self.cfg.codec);
             let (step, chunk) = (st.params_step, round::chunk_for(self.n));
-            let _ = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec)).await;
+            let job = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec));
+            let _ = self.beating(&st, job).await;
             self.debug(|| format!("step {step}'s batch is full: froze {}", st.accum_count));
             let st = self.status();
             self.heartbeat(&st);

@@ -226,7 +226,8 @@ impl State {
         // Encoding the sum takes a while for a large stage: off the async threads.
         let (service, codec) = (Arc::clone(&self.service), self.cfg.codec);
         let chunk = round::chunk_for(self.n);
-        let frozen = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec)).await;
+        let job = tokio::task::spawn_blocking(move || service.freeze(step, chunk, &codec));
+        let frozen = self.beating(&st, job).await;
         let Ok(Ok(mut frozen)) = frozen else {
             self.debug(|| format!("freeze {step} failed"));
             return;
@@ -346,21 +347,22 @@ impl State {
         });
         let replica = self.service.replica();
         let log = Arc::clone(&self.log);
+        let st = self.status();
         let applied = tokio::task::spawn_blocking(move || {
             let avg = round::Frames::new(chunks, n)?;
             let mut r = replica.blocking_lock();
             r.apply(step, &avg, total, lost)
                 .map_err(|e| e.to_string())?;
             // Kept for replicas that catch up (losing it only costs them a download).
-            let kept = log
-                .lock()
-                .record(step, total, lost, r.shared_hash(), &members, avg.chunks());
+            let kept =
+                log.lock()
+                    .record(step, total, lost, r.shared_hash(), &members, avg.chunks());
             if let Err(e) = kept {
                 tracing::warn!(target: "shoal::averaging", step, "cannot keep the update for replay: {e}");
             }
             Ok::<(), String>(())
-        })
-        .await;
+        });
+        let applied = self.beating(&st, applied).await;
         match applied {
             Ok(Ok(())) => {
                 self.stats
