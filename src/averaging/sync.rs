@@ -13,7 +13,7 @@
 
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
-use crate::stage::replica::Snapshot;
+use crate::stage::replica::{Parts, Snapshot, PART};
 use crate::wire::msg::{StateInfo, HASH_PAGE};
 use futures::stream::{FuturesUnordered, StreamExt};
 use libp2p::PeerId;
@@ -167,7 +167,7 @@ impl Fetched {
 /// What the chunk workers share.
 struct Work<'a> {
     queue: Mutex<VecDeque<usize>>,
-    flat: Mutex<Vec<f32>>,
+    state: Mutex<Parts>,
     hashes: &'a [String],
     info: &'a StateInfo,
     /// Per donor: banned for a bad chunk.
@@ -202,7 +202,7 @@ impl Work<'_> {
                 .await
             {
                 Ok(v) if v.len() == len && chunk_hash(&v) == self.hashes[i] => {
-                    self.flat.lock()[start..start + len].copy_from_slice(&v);
+                    self.state.lock().write(start, &v);
                     *self.served[k].lock() += 1;
                     if let Some(f) = self.fetched {
                         f.bytes.fetch_add(4 * len as u64, Ordering::Relaxed);
@@ -246,7 +246,8 @@ fn best_offer(offers: &[(usize, StateInfo)]) -> Option<StateInfo> {
 }
 
 /// Downloads the newest agreed snapshot of `stage` from `candidates`, counting its
-/// progress in `fetched` when given. It starts once the first donors have offered (see
+/// progress in `fetched` when given: its metadata (`flat` left empty) and its values, in
+/// parts, for [`crate::stage::replica::Replica::restore_parts`]. It starts once the first donors have offered (see
 /// [`OFFER_GRACE`]); donors that offer the same snapshot later join the download.
 pub async fn download(
     client: &StageClient,
@@ -255,7 +256,7 @@ pub async fn download(
     want_len: usize,
     rng: &mut Rng,
     fetched: Option<&Fetched>,
-) -> Result<(Snapshot, SyncReport), SyncError> {
+) -> Result<(Snapshot, Parts, SyncReport), SyncError> {
     let started = std::time::Instant::now();
     // Shuffle so concurrent joiners spread over the donors.
     let mut peers = candidates.to_vec();
@@ -315,7 +316,7 @@ pub async fn download(
     let offset = rng.below(n.max(1) as u64) as usize;
     let work = Work {
         queue: Mutex::new((0..n).map(|i| (i + offset) % n).collect()),
-        flat: Mutex::new(vec![0.0; want_len]),
+        state: Mutex::new(Parts::zeros(want_len, PART)),
         hashes: &hashes,
         info: &info,
         banned: peers.iter().map(|_| AtomicBool::new(false)).collect(),
@@ -377,15 +378,15 @@ pub async fn download(
         .filter(|&&k| work.banned[k].load(Ordering::Relaxed))
         .map(|&k| peers[k])
         .collect();
-    let flat = work.flat.into_inner();
     Ok((
         Snapshot {
             step: info.step,
-            flat,
+            flat: Vec::new(),
             params_hash: info.params_hash.clone(),
             samples_applied: info.samples_applied,
             samples_lost: info.samples_lost,
         },
+        work.state.into_inner(),
         SyncReport {
             donors: donors.iter().map(|&k| peers[k]).collect(),
             chunks_per_donor,

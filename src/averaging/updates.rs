@@ -301,11 +301,11 @@ impl super::actor::State {
             self.debug(|| format!("behind: downloading the state failed: {e}"));
             *self.stats.last_error.lock() = Some(e.to_string());
         }
-        if let Ok((snap, _)) = r {
+        if let Ok((snap, parts, _)) = r {
             let r2 = Arc::clone(&replica);
             let ok = tokio::task::spawn_blocking(move || {
                 r2.blocking_lock()
-                    .restore(&snap)
+                    .restore_parts(&snap, parts)
                     .map(|_| ())
                     .map_err(|e| e.to_string())
             })

@@ -130,29 +130,25 @@ impl AdamW {
         Ok(())
     }
 
-    /// Replaces the state with flat first and second moments (f32, in parameter order),
-    /// one tensor at a time.
-    pub fn restore_flat(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
-        let n: usize = self.m.iter().map(|t| t.elem_count()).sum();
-        if m.len() != n || v.len() != n {
-            return Err(ModelError::BadInput(
-                "optimizer state does not match the parameters".into(),
-            ));
-        }
-        let mut at = 0;
-        for i in 0..self.m.len() {
-            let like = &self.m[i];
-            let k = like.elem_count();
-            let make = |src: &[f32]| -> Result<Tensor, ModelError> {
-                Ok(
-                    Tensor::from_slice(&src[at..at + k], like.dims(), like.device())?
-                        .to_dtype(like.dtype())?,
-                )
-            };
-            let (mi, vi) = (make(m)?, make(v)?);
-            self.m[i] = mi;
-            self.v[i] = vi;
-            at += k;
+    /// Replaces the state with first and second moments (f32, in parameter order) that
+    /// `take(k)` hands over `k` values at a time: every first moment, then every second.
+    /// One tensor at a time, so the state is never held twice beside its source.
+    pub fn restore_with(
+        &mut self,
+        step: u64,
+        take: &mut dyn FnMut(usize) -> Vec<f32>,
+    ) -> Result<(), ModelError> {
+        for moments in [&mut self.m, &mut self.v] {
+            for t in moments.iter_mut() {
+                let k = t.elem_count();
+                let values = take(k);
+                if values.len() != k {
+                    return Err(ModelError::BadInput(
+                        "optimizer state does not match the parameters".into(),
+                    ));
+                }
+                *t = Tensor::from_vec(values, t.dims(), t.device())?.to_dtype(t.dtype())?;
+            }
         }
         self.step = step;
         Ok(())

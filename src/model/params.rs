@@ -29,6 +29,9 @@ pub struct ParamSet {
     decay: Vec<bool>,
 }
 
+/// Hands the next `k` values, in slices, to a callback: `read(k, f)`.
+pub type ReadValues<'a> = dyn FnMut(usize, &mut dyn FnMut(&[f32])) + 'a;
+
 impl ParamSet {
     /// An empty set whose parameters will be initialised from `seed` on `device` in `dtype`.
     pub(crate) fn new(seed: u64, device: &Device, dtype: DType) -> Self {
@@ -110,13 +113,21 @@ impl ParamSet {
     /// The hash these parameters would have holding `flat` (f32, in parameter order):
     /// [`Self::hash`] of f32 values read straight from a downloaded state.
     pub fn hash_flat(&self, flat: &[f32]) -> u64 {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
         let mut at = 0;
+        self.hash_read(&mut |k, f| {
+            let k = k.min(flat.len().saturating_sub(at));
+            f(&flat[at..at + k]);
+            at += k;
+        })
+    }
+
+    /// [`Self::hash_flat`] of values that `read(k, f)` hands to `f`, in slices, `k` per
+    /// parameter in order: a state that is not one slice is hashed where it lies.
+    pub fn hash_read(&self, read: &mut ReadValues<'_>) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
         for (name, v) in self.names.iter().zip(&self.vars) {
             h.update(name.as_bytes());
-            let k = v.elem_count().min(flat.len().saturating_sub(at));
-            h.update(bytemuck::cast_slice(&flat[at..at + k]));
-            at += k;
+            read(v.elem_count(), &mut |s| h.update(bytemuck::cast_slice(s)));
         }
         h.digest()
     }

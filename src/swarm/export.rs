@@ -82,10 +82,10 @@ pub async fn from_swarm(
         let stage = Stage::new(cfg, s, &Device::Cpu)?;
         let mut replica = Replica::new(cfg, stage)?;
         let len = replica.snapshot_len();
-        let (snap, _) =
+        let (snap, parts, _) =
             sync::download(&client, s, &peers_of(anns), len, &mut rng, Some(fetched)).await?;
         // Checks the parameters against the hash the donors announced.
-        replica.restore(&snap)?;
+        replica.restore_parts(&snap, parts)?;
         let path = scratch_path(out, s);
         scratch.0.push(path.clone());
         let (replica, run, config) = (replica, m.id.clone(), m.canonical.clone());

@@ -346,8 +346,8 @@ impl Ctx {
             let fetch = sync::download(client, stage_idx, donors, len, &mut rng, Some(&fetched));
             let fetch = tracing::Instrument::instrument(fetch, span);
             let got = match self.with_progress(fetch, &fetched).await {
-                Ok((snap, report)) => replica
-                    .restore(&snap)
+                Ok((snap, parts, report)) => replica
+                    .restore_parts(&snap, parts)
                     .map(|_| (snap, report))
                     .map_err(PeerError::from),
                 Err(e) => Err(e.into()),
@@ -367,7 +367,7 @@ impl Ctx {
             step: snap.step,
             donors: report.donors.len(),
             chunks_per_donor: report.chunks_per_donor.clone(),
-            bytes: 4 * snap.flat.len() as u64,
+            bytes: 4 * len as u64,
             seconds: sync_started.elapsed().as_secs_f64(),
             setup_s: report.setup_s,
         });

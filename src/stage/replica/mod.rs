@@ -426,7 +426,8 @@ impl Replica {
         (self.stale_recomputed, self.max_staleness)
     }
 
-    /// After a step on a large stage, gives freed memory back at once.
+    /// After a step on a large stage (or part of a restore), gives freed memory back at
+    /// once.
     fn release_if_large(&self) {
         if self.numel >= RELEASE_NUMEL {
             crate::release_memory();
@@ -564,6 +565,8 @@ impl Replica {
 }
 
 mod outer;
+mod parts;
+pub use parts::{Parts, PART};
 mod state;
 pub use state::Snapshot;
 

@@ -1,6 +1,7 @@
 //! A replica's whole state in and out: snapshots streamed to joiners and restored from a
 //! download, checkpoints saved and resumed.
 
+use super::parts::Parts;
 use super::{hash_of, Replica};
 use crate::model::checkpoint::{self, Info};
 use crate::model::ModelError;
@@ -119,27 +120,45 @@ impl Replica {
     /// Replaces the state with a snapshot; drops accumulated and frozen gradients (they
     /// were computed on other parameters) and returns the samples dropped.
     pub fn restore(&mut self, snap: &Snapshot) -> Result<u64, ModelError> {
+        self.restore_parts(snap, Parts::from_vec(snap.flat.clone()))
+    }
+
+    /// [`Self::restore`] from a downloaded state in `parts` (`snap` gives the rest, its
+    /// `flat` unread): each part is freed once read, and on a large stage its memory handed
+    /// back, so the state is never held twice.
+    pub fn restore_parts(&mut self, snap: &Snapshot, mut parts: Parts) -> Result<u64, ModelError> {
         let n = self.stage.params().numel();
-        if snap.flat.len() != self.snapshot_len() {
+        if parts.left() != self.snapshot_len() {
             return Err(ModelError::BadInput(format!(
                 "snapshot of {} values for a stage of {n} parameters",
-                snap.flat.len()
+                parts.left()
             )));
         }
         // Check the parameters against the hash the donors announced before anything is
         // replaced: a bad download never becomes the replica's state.
-        let hash = format!("{:016x}", self.stage.params().hash_flat(&snap.flat[..n]));
+        let mut at = 0;
+        let hash = self.stage.params().hash_read(&mut |k, f| {
+            parts.peek(at, k, f);
+            at += k;
+        });
+        let hash = format!("{hash:016x}");
         if hash != snap.params_hash {
             return Err(ModelError::BadInput(format!(
                 "the downloaded parameters hash to {hash}, not the donors' {}",
                 snap.params_hash
             )));
         }
-        load_flat(&self.stage, &snap.flat[..n])?;
-        self.opt
-            .restore_flat(snap.step, &snap.flat[n..2 * n], &snap.flat[2 * n..3 * n])?;
+        for var in self.stage.params().vars() {
+            let t = Tensor::from_vec(parts.take(var.elem_count()), var.dims(), var.device())?
+                .to_dtype(var.dtype())?;
+            var.set(&t)?;
+        }
+        self.release_if_large();
+        self.opt.restore_with(snap.step, &mut |k| parts.take(k))?;
+        self.release_if_large();
         if let Some(o) = self.outer.as_mut() {
-            o.restore(&snap.flat[3 * n..4 * n], &snap.flat[4 * n..]);
+            let anchor = parts.take(n);
+            o.restore(&anchor, &parts.take(n));
         }
         self.predict.reset();
         self.params_step = snap.step;
