@@ -2,14 +2,16 @@
 //! chunks, spread over every donor that holds the same snapshot, each chunk hash-checked,
 //! and the whole state checked against its root hash.
 //!
-//! Donors are the replicas at the highest step; only those whose snapshots agree (same
-//! step, size, chunking and root hash) are used together. The chunk hashes come in pages
-//! ([`HASH_PAGE`] per call), from one donor at a time until a complete list matches the
-//! root; so the list of a state of any size never has to fit in one message. Chunks come
-//! from a shared queue: each donor works through it with a few calls in flight, writing
-//! each verified chunk straight into its place in the state. A chunk that fails goes back
-//! to the queue for the others (a download resumes from what it has when a donor dies); a
-//! donor that served a chunk with the wrong hash is not asked again in this download.
+//! Donors are asked one after another (each is locked while it writes its snapshot), and
+//! the download starts with the first offer; only donors whose snapshots agree (same step,
+//! size, chunking and root hash) are used together, a late one joining as it offers. The
+//! chunk hashes come in pages ([`HASH_PAGE`] per call), from one donor at a time until a
+//! complete list matches the root; so the list of a state of any size never has to fit in
+//! one message. Chunks come from a shared queue: each donor works through it with a few
+//! calls in flight, writing each verified chunk into its place in the state's parts. A
+//! chunk that fails goes back to the queue for the others (a download resumes from what it
+//! has when a donor dies); a donor that served a chunk with the wrong hash is not asked
+//! again in this download.
 
 use crate::rng::Rng;
 use crate::stage::client::StageClient;
