@@ -132,7 +132,8 @@ impl AdamW {
 
     /// Replaces the state with first and second moments (f32, in parameter order) that
     /// `take(k)` hands over `k` values at a time: every first moment, then every second.
-    /// One tensor at a time, so the state is never held twice beside its source.
+    /// One tensor at a time, so the state is never held twice beside its source. A source
+    /// that runs short is an error with the moments partly replaced: check its length first.
     pub fn restore_with(
         &mut self,
         step: u64,
