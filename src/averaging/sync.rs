@@ -181,6 +181,11 @@ struct Work<'a> {
 }
 
 impl Work<'_> {
+    /// Chunks in place so far, from every donor.
+    fn done(&self) -> usize {
+        self.served.iter().map(|s| *s.lock()).sum()
+    }
+
     fn next(&self) -> Option<usize> {
         self.queue.lock().pop_front()
     }
@@ -318,8 +323,9 @@ fn best_offer(offers: &[(usize, StateInfo)]) -> Option<StateInfo> {
 
 /// Downloads the newest agreed snapshot of `stage` from `candidates`, counting its
 /// progress in `fetched` when given: its metadata (`flat` left empty) and its values, in
-/// parts, for [`crate::stage::replica::Replica::restore_parts`]. It starts once the first donors have offered (see
-/// [`OFFER_GRACE`]); donors that offer the same snapshot later join the download.
+/// parts, for [`crate::stage::replica::Replica::restore_parts`]. It starts once the first
+/// donors have offered (see [`OFFER_GRACE`]); donors that offer the same snapshot later
+/// join the download.
 pub async fn download(
     client: &StageClient,
     stage: usize,
@@ -391,28 +397,26 @@ pub async fn download(
         last_error: Mutex::new(String::new()),
         fetched,
     };
-    let mut donors = first;
     // Workers in turn across donors (w0 of every donor, then w1, ...): each takes its
     // first chunk when first polled, so even a state of few chunks spreads over donors.
-    let mut workers: FuturesUnordered<_> = (0..PER_DONOR)
-        .flat_map(|_| donors.iter().copied())
-        .map(|k| work.worker(client, stage, k, peers[k]))
-        .collect();
+    let workers_of = |donors: &[usize]| -> Vec<_> {
+        (0..PER_DONOR)
+            .flat_map(|_| donors.iter().copied())
+            .map(|k| work.worker(client, stage, k, peers[k]))
+            .collect()
+    };
+    let mut donors = first;
+    let mut workers: FuturesUnordered<_> = workers_of(&donors).into_iter().collect();
     // A second pass over the donors still standing picks up chunks given back late.
     let mut second_pass = false;
     loop {
         if workers.is_empty() {
-            let done = work.served.iter().map(|s| *s.lock()).sum::<usize>();
-            if done == n {
+            if work.done() == n {
                 break;
             }
             if !second_pass {
                 second_pass = true;
-                workers.extend(
-                    (0..PER_DONOR)
-                        .flat_map(|_| donors.iter().copied())
-                        .map(|k| work.worker(client, stage, k, peers[k])),
-                );
+                workers.extend(workers_of(&donors));
                 continue;
             }
             if asking.is_done() {
@@ -425,14 +429,14 @@ pub async fn download(
                 // A late donor of the same snapshot joins with its own workers.
                 if matches!(&r, Ok(late) if *late == info) && !work.queue.lock().is_empty() {
                     donors.push(k);
-                    workers.extend((0..PER_DONOR).map(|_| work.worker(client, stage, k, peers[k])));
+                    workers.extend(workers_of(&[k]));
                 }
             }
             else => break,
         }
     }
     drop(workers);
-    if work.served.iter().map(|s| *s.lock()).sum::<usize>() < n {
+    if work.done() < n {
         let index = work.queue.lock().front().copied().unwrap_or(0) as u32;
         return Err(SyncError::Chunk {
             index,

@@ -148,11 +148,7 @@ impl Replica {
                 snap.params_hash
             )));
         }
-        for var in self.stage.params().vars() {
-            let t = Tensor::from_vec(parts.take(var.elem_count()), var.dims(), var.device())?
-                .to_dtype(var.dtype())?;
-            var.set(&t)?;
-        }
+        load_with(&self.stage, &mut |k| parts.take(k))?;
         self.release_if_large();
         self.opt.restore_with(snap.step, &mut |k| parts.take(k))?;
         self.release_if_large();
@@ -185,12 +181,28 @@ pub(super) fn load_flat(stage: &crate::model::Stage, flat: &[f32]) -> Result<(),
         )));
     }
     let mut at = 0;
+    load_with(stage, &mut |k| {
+        at += k;
+        flat[at - k..at].to_vec()
+    })
+}
+
+/// Sets the stage's parameters, in order, from the values `take(k)` hands over `k` at a
+/// time, one tensor at a time. A source that runs short is an error with the parameters
+/// partly replaced: check its length first.
+fn load_with(
+    stage: &crate::model::Stage,
+    take: &mut dyn FnMut(usize) -> Vec<f32>,
+) -> Result<(), ModelError> {
     for var in stage.params().vars() {
         let k = var.elem_count();
-        let t = Tensor::from_slice(&flat[at..at + k], var.dims(), var.device())?
-            .to_dtype(var.dtype())?;
-        var.set(&t)?;
-        at += k;
+        let values = take(k);
+        if values.len() != k {
+            return Err(ModelError::BadInput(
+                "the state does not match the parameters".into(),
+            ));
+        }
+        var.set(&Tensor::from_vec(values, var.dims(), var.device())?.to_dtype(var.dtype())?)?;
     }
     Ok(())
 }
