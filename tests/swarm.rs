@@ -471,6 +471,24 @@ async fn trainers_that_never_wait_keep_replicas_identical_and_gradients_one_step
     }
     // The overlap did happen: some gradient went into the step after its parameters'.
     assert!(stale > 0, "no gradient was computed during a round");
+    // A replica's `info` answer names its live stage mate (with addresses to dial it): a
+    // reader learns a stage from one replica, not only from DHT walks.
+    let client = shoal::stage::client::StageClient::new(
+        t.net().clone(),
+        s.m.id.clone(),
+        shoal::wire::CodecSpec::F32,
+    );
+    let (a, b) = (&s.peers[0], &s.peers[2]);
+    assert_eq!((a.stage(), b.stage()), (Some(0), Some(0)));
+    let info = client.info(a.net().local_peer_id(), 0).await.unwrap();
+    let mate = b.net().local_peer_id().to_string();
+    assert!(
+        info.mates
+            .iter()
+            .any(|h| h.peer == mate && !h.addrs.is_empty()),
+        "the info answer names {:?}, not its mate {mate}",
+        info.mates
+    );
     stop_all(t, s).await;
 }
 

@@ -282,6 +282,24 @@ impl Sim {
             .sum()
     }
 
+    fn swaps(&self) -> u64 {
+        self.trainer_stats
+            .iter()
+            .map(|s| s.swaps.load(Relaxed))
+            .sum()
+    }
+
+    /// Serving replicas per stage now.
+    fn placement(&self) -> Vec<usize> {
+        let mut p = vec![0; self.opts.stages];
+        for s in self.live().filter_map(|m| m.peer.stage()) {
+            if let Some(n) = p.get_mut(s) {
+                *n += 1;
+            }
+        }
+        p
+    }
+
     fn lookups(&self) -> LookupCounts {
         let mut c = self.gone_lookups.clone();
         for m in self.live() {
@@ -421,20 +439,44 @@ async fn measure(
     stage_peers: usize,
     trainers: usize,
 ) -> Result<SimRow, String> {
-    tokio::time::sleep(Duration::from_secs_f64(sim.opts.warmup)).await;
     let churn_every = (sim.opts.churn > 0.0)
         .then(|| Duration::from_secs_f64(60.0 / (sim.opts.churn * stage_peers as f64)));
-    let (c0, l0, w0) = (sim.completed(), sim.lookups(), Instant::now());
+    let joined = Instant::now();
+    let w0 = joined + Duration::from_secs_f64(sim.opts.warmup);
+    let end = w0 + Duration::from_secs_f64(sim.opts.seconds);
+    let (mut c0, mut l0) = (sim.completed(), sim.lookups());
     let (mut bounds, mut what) = (Vec::new(), std::collections::BTreeMap::new());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut next_churn = churn_every.map(|d| Instant::now() + d);
-    let end = w0 + Duration::from_secs_f64(sim.opts.seconds);
+    let mut next_churn = None;
+    let mut in_window = false;
+    let mut timeline = Vec::new();
+    let (mut last_done, mut last_swaps, mut last_bounds) =
+        (sim.completed(), sim.swaps(), Vec::new());
+    let mut ticks = 0u64;
     while Instant::now() < end {
         tokio::select! {
             _ = tick.tick() => {
+                if !in_window && Instant::now() >= w0 {
+                    in_window = true;
+                    (c0, l0) = (sim.completed(), sim.lookups());
+                    next_churn = churn_every.map(|d| Instant::now() + d);
+                }
                 let (b, w) = sim.bound_now(sim.wire_ratio());
-                bounds.push(b);
-                *what.entry(w).or_insert(0usize) += 1;
+                last_bounds.push(b);
+                if in_window {
+                    bounds.push(b);
+                    *what.entry(w).or_insert(0usize) += 1;
+                }
+                ticks += 1;
+                if ticks % 5 == 0 {
+                    let (done, swaps) = (sim.completed(), sim.swaps());
+                    let mean = last_bounds.iter().sum::<f64>() / last_bounds.len().max(1) as f64;
+                    let placement = sim.placement();
+                    tracing::info!(target: "shoal::bench", t = ticks, rate = (done - last_done) as f64 / 5.0, bound = mean, swaps = swaps - last_swaps, ?placement, "timeline");
+                    timeline.push((ticks as f64, (done - last_done) as f64 / 5.0, mean, swaps - last_swaps, placement));
+                    (last_done, last_swaps) = (done, swaps);
+                    last_bounds.clear();
+                }
                 if let (Some(at), Some(every)) = (next_churn, churn_every) {
                     if Instant::now() >= at {
                         sim.churn_one();
@@ -492,6 +534,7 @@ async fn measure(
     row.left = sim.left;
     row.killed = sim.killed;
     row.window_s = window_s;
+    row.timeline = timeline;
     row.peak_rss_mib = shoal::swarm::events::peak_rss_bytes().map_or(0.0, |b| b as f64 / 1048576.0);
     row.rss_per_peer_mib = (row.peak_rss_mib - rss0).max(0.0) / sim.opts.peers as f64;
     Ok(row)

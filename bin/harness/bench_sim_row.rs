@@ -52,10 +52,26 @@ pub struct SimRow {
     pub peak_rss_mib: f64,
     pub rss_per_peer_mib: f64,
     pub window_s: f64,
+    /// Every 5 s of the warm-up and the window: seconds since every peer joined, samples/s
+    /// completed over those 5 s, the bound then, calls swapped over those 5 s, and the
+    /// serving replicas per stage.
+    pub timeline: Vec<(f64, f64, f64, u64, Vec<usize>)>,
 }
 
 impl SimRow {
     pub fn to_json(&self) -> serde_json::Value {
+        let mut v = self.figures();
+        v["timeline"] = self
+            .timeline
+            .iter()
+            .map(|(t, r, b, sw, pl)| {
+                serde_json::json!({"t": t, "samples_per_s": r, "bound": b, "swaps": sw, "placement": pl})
+            })
+            .collect();
+        v
+    }
+
+    fn figures(&self) -> serde_json::Value {
         serde_json::json!({
             "peers": self.peers, "stage_peers": self.stage_peers,
             "trainer_peers": self.trainer_peers, "stages": self.stages,

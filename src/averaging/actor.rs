@@ -270,6 +270,13 @@ impl State {
             }
         }
         self.service.set_others(others);
+        let mates: Vec<PeerId> = self
+            .views
+            .iter()
+            .filter(|(_, v)| v.is_live(now, self.cfg.live_timeout))
+            .map(|(p, _)| *p)
+            .collect();
+        self.service.set_mates(mates);
     }
 
     /// Sends progress on change (at most every 100 ms; at once when the step changed, for

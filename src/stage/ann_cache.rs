@@ -27,7 +27,18 @@ pub struct AnnCache {
     miss_age: Duration,
     keep_expired: bool,
     inner: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<PeerId, Cached>>>,
+    /// Stage mates the replicas' own answers named ([`crate::wire::msg::Response::mates`]),
+    /// by run and stage, with when they were last named.
+    hints: std::sync::Arc<parking_lot::Mutex<Hints>>,
 }
+
+type Hints = std::collections::HashMap<(String, usize), std::collections::HashMap<PeerId, Instant>>;
+
+/// How long a mate named in an answer counts as a replica of its stage to look at.
+const HINT_AGE: Duration = Duration::from_secs(60);
+
+/// Mates remembered per stage, at most.
+const HINTS_PER_STAGE: usize = 512;
 
 /// A peer's announcement as last read.
 #[derive(Debug, Clone)]
@@ -92,6 +103,7 @@ impl AnnCache {
             miss_age: MISS_AGE.min(max_age),
             keep_expired: false,
             inner: Default::default(),
+            hints: Default::default(),
         }
     }
 
@@ -123,6 +135,74 @@ impl AnnCache {
             .lock()
             .get(peer)
             .is_some_and(|c| c.own && c.at >= since)
+    }
+
+    /// The stage mates of `stage` of `run` that replicas' own answers named lately: a reader
+    /// looks at them besides the stage's providers. While 200 peers joined at once a
+    /// trainer's provider walks took 5–14 s and found a replica or two per stage for the
+    /// swarm's first 20 s; one answer of a replica names up to 16 of its mates.
+    pub fn hints(&self, run: &str, stage: usize) -> Vec<PeerId> {
+        let now = Instant::now();
+        let mut h = self.hints.lock();
+        let Some(m) = h.get_mut(&(run.to_string(), stage)) else {
+            return Vec::new();
+        };
+        m.retain(|_, at| now.duration_since(*at) < HINT_AGE);
+        m.keys().copied().collect()
+    }
+
+    /// Asks `peer`, a replica of `stage` of `run`, for its announcement and the mates it
+    /// names (kept as [`hints`](Self::hints)); its answer refreshes its copy here.
+    pub async fn ask_mates(&self, net: &NetHandle, (run, stage): (&str, usize), peer: PeerId) {
+        if let Ok(Some((ann, mates))) = ask_with_mates(&asking_client(net, run), peer, stage).await
+        {
+            self.note_mates(net, (run, stage), &mates).await;
+            self.inner
+                .lock()
+                .insert(peer, Cached::new(Some(ann), Instant::now(), true));
+        }
+    }
+
+    /// Keeps `mates`, named by a replica of `stage` of `run`, as hints, and the addresses
+    /// given for them.
+    async fn note_mates(
+        &self,
+        net: &NetHandle,
+        (run, stage): (&str, usize),
+        mates: &[crate::wire::msg::MateHint],
+    ) {
+        let named: Vec<(PeerId, Vec<libp2p::Multiaddr>)> = mates
+            .iter()
+            .filter_map(|m| {
+                let peer = m.peer.parse::<PeerId>().ok()?;
+                let addrs = m
+                    .addrs
+                    .iter()
+                    .take(2)
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
+                Some((peer, addrs))
+            })
+            .collect();
+        let peers: Vec<PeerId> = named.iter().map(|(p, _)| *p).collect();
+        self.hinted((run, stage), &peers);
+        for (peer, addrs) in named {
+            if !addrs.is_empty() {
+                let _ = net.add_addresses(peer, addrs).await;
+            }
+        }
+    }
+
+    /// Notes the mates a replica of `stage` of `run` named.
+    fn hinted(&self, (run, stage): (&str, usize), mates: &[PeerId]) {
+        let now = Instant::now();
+        let mut h = self.hints.lock();
+        let m = h.entry((run.to_string(), stage)).or_default();
+        for p in mates {
+            if m.len() < HINTS_PER_STAGE || m.contains_key(p) {
+                m.insert(*p, now);
+            }
+        }
     }
 
     /// A peer not found waits at most `d` before it is looked up again (the first misses
@@ -192,10 +272,17 @@ impl AnnCache {
             async move { (p, ask_or_read(&client, p, stage, moved).await) }
         }))
         .await;
+        for (_, f) in &fetched {
+            if let Fetched::Own(_, mates) = f {
+                if !mates.is_empty() {
+                    self.note_mates(net, (run, stage), mates).await;
+                }
+            }
+        }
         let mut map = self.inner.lock();
         for (p, f) in fetched {
             let (a, own) = match f {
-                Fetched::Own(a) => (Some(a), true),
+                Fetched::Own(a, _) => (Some(a), true),
                 Fetched::Read(a) => (a, false),
                 Fetched::Unanswered => (None, false),
                 // Still where its copy says: the copy stays (a reader of that stage counts
@@ -240,8 +327,8 @@ fn asking_client(net: &NetHandle, run: &str) -> crate::stage::client::StageClien
 
 /// What [`ask_or_read`] found of a peer.
 enum Fetched {
-    /// Its announcement as the replica itself gave it.
-    Own(Announcement),
+    /// Its announcement as the replica itself gave it, and the mates it named.
+    Own(Announcement, Vec<crate::wire::msg::MateHint>),
     /// The DHT's copy, if any.
     Read(Option<Announcement>),
     /// It answered that it serves another stage, as the reader's copy already said.
@@ -264,8 +351,8 @@ async fn ask_or_read(
     stage: usize,
     moved: bool,
 ) -> Fetched {
-    match ask_announcement(client, peer, stage).await {
-        Ok(Some(own)) => return Fetched::Own(own),
+    match ask_with_mates(client, peer, stage).await {
+        Ok(Some((own, mates))) => return Fetched::Own(own, mates),
         // It moved away, and its provider record here lingers until it expires: every
         // reader of this stage asked it, was refused and walked the DHT for its record,
         // every few seconds, while the copy it held said as much.
@@ -297,7 +384,7 @@ pub async fn announcement_on(
     stage: usize,
 ) -> Option<Announcement> {
     match ask_or_read(&asking_client(net, run), peer, stage, true).await {
-        Fetched::Own(a) => Some(a),
+        Fetched::Own(a, _) => Some(a),
         Fetched::Read(a) => a,
         Fetched::Elsewhere | Fetched::Unanswered => None,
     }
@@ -311,10 +398,22 @@ pub async fn ask_announcement(
     peer: PeerId,
     stage: usize,
 ) -> Result<Option<Announcement>, crate::stage::client::CallError> {
+    Ok(ask_with_mates(client, peer, stage).await?.map(|(a, _)| a))
+}
+
+/// [`ask_announcement`], and the stage mates the replica named with it.
+async fn ask_with_mates(
+    client: &crate::stage::client::StageClient,
+    peer: PeerId,
+    stage: usize,
+) -> Result<Option<(Announcement, Vec<crate::wire::msg::MateHint>)>, crate::stage::client::CallError>
+{
     let r = client.info(peer, stage).await?;
-    Ok(r.info
+    let ann = r
+        .info
         .as_deref()
-        .and_then(|j| Announcement::from_info(j.as_bytes(), &peer.to_string()).ok()))
+        .and_then(|j| Announcement::from_info(j.as_bytes(), &peer.to_string()).ok());
+    Ok(ann.map(|a| (a, r.mates)))
 }
 
 #[cfg(test)]

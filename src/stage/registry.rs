@@ -147,6 +147,9 @@ impl Reading {
     }
 }
 
+/// How long a provider walk is waited for when the stage's replicas have named mates.
+const HINTED_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// [`read_stage`] as `how` says.
 pub async fn read_stage_with(
     net: &NetHandle,
@@ -165,11 +168,31 @@ pub async fn read_stage_counted(
     stage: usize,
     how: &Reading,
 ) -> Result<(Vec<Announcement>, usize), NetError> {
+    // Mates the stage's replicas named in their answers count as providers not found yet;
+    // with some, a slow walk is not waited for to its end (a busy DHT's walks ran into
+    // the 10-s query timeout).
+    let hints = how
+        .cache
+        .as_ref()
+        .map(|c| c.hints(run, stage))
+        .unwrap_or_default();
+    let patience = match how.patience {
+        _ if hints.is_empty() => how.patience,
+        Some(p) => Some(p.min(HINTED_PATIENCE)),
+        None => Some(HINTED_PATIENCE),
+    };
     let providers = net
-        .get_providers_within(dht::stage_key(run, stage).into_bytes(), how.patience)
+        .get_providers_within(dht::stage_key(run, stage).into_bytes(), patience)
         .await?;
-    let total = providers.len();
     let mut peers: Vec<PeerId> = providers.into_iter().collect();
+    {
+        for p in hints {
+            if !peers.contains(&p) {
+                peers.push(p);
+            }
+        }
+    }
+    let total = peers.len();
     if let Some((cap, seed)) = how.sample {
         sample(&mut peers, cap, seed);
     }

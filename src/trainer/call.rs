@@ -252,6 +252,9 @@ where
                         st.banned_until = Some(Instant::now() + ban);
                     }
                     ctx.stats.swaps.fetch_add(1, Ordering::Relaxed);
+                    if e.kind() == Some(ErrorKind::Overloaded) {
+                        ctx.window.overloaded(Instant::now());
+                    }
                     TrainerStats::bump(&ctx.stats.swap_reasons, &swap_reason(&e), 1);
                     last_err = Some(format!("{peer}: {e}"));
                     None

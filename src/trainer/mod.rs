@@ -17,8 +17,10 @@ mod refresh;
 pub mod report;
 pub mod routing;
 mod stats;
+mod window;
 pub use routing::Routing;
 pub use stats::TrainerStats;
+use window::in_flight;
 
 use crate::data::{DataError, Sampler, TokenSource};
 use crate::dht::Manifest;
@@ -121,6 +123,10 @@ struct Ctx {
     turns: Vec<std::sync::atomic::AtomicUsize>,
     /// Announcements read lately ([`refresh`]).
     anns: crate::stage::registry::AnnCache,
+    /// Whether the last refresh found replicas the table did not hold.
+    grew: std::sync::atomic::AtomicBool,
+    /// Microbatches that may be in flight now.
+    window: window::Window,
 }
 
 /// How long a trainer reuses a replica's announcement before reading it again (kept past
@@ -179,6 +185,7 @@ impl Trainer {
         let stats = Arc::new(TrainerStats::new(stages));
         let seed = derive_seed(m.config.training.data_seed, &format!("route/{}", cfg.index));
         let ctx = Arc::new(Ctx {
+            window: window::Window::of(&cfg, stages, &m.config),
             cfg,
             client: client.clone(),
             stages,
@@ -188,6 +195,7 @@ impl Trainer {
             anns: crate::stage::registry::AnnCache::new(ANNOUNCEMENT_MAX_AGE)
                 .missing_for(ANNOUNCEMENT_MISSING)
                 .past_expiry(),
+            grew: std::sync::atomic::AtomicBool::new(false),
             stats: Arc::clone(&stats),
             rng: Mutex::new(Rng::new(seed ^ u64::from(std::process::id()))),
             turns: (0..stages)
@@ -283,9 +291,8 @@ async fn run(
         }));
     }
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
-    let sem = Arc::new(Semaphore::new(in_flight(
-        &ctx.cfg, ctx.stages, batch, ctx.target,
-    )));
+    let most = in_flight(&ctx.cfg, ctx.stages, batch, ctx.target);
+    let sem = Arc::new(Semaphore::new(most));
     let mut tasks = tokio::task::JoinSet::new();
     let mut counter: u64 = 0;
     let tag = derive_seed(ctx.cfg.index, &ctx.client.local_peer_id().to_string()) << 24;
@@ -300,6 +307,10 @@ async fn run(
             p = Arc::clone(&sem).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
             _ = stop.changed() => continue,
         };
+        // Within the window (this permit counted): wait while more are in flight.
+        while most - sem.available_permits() > ctx.window.limit(ctx.fewest_known()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let b = sampler.next_batch(&source, batch, seq);
         counter += 1;
         let mb = tag ^ counter;
@@ -315,20 +326,6 @@ async fn run(
     // Every microbatch to its end (a permit may be given back before it).
     while tasks.join_next().await.is_some() {}
     refresher.abort_all();
-}
-
-/// Microbatches a trainer keeps in flight: `--concurrency`, and with synchronous steps in a
-/// pipeline at least one per stage and a step's worth (`target` samples in microbatches of
-/// `batch`), so that every stage has work and the next step's microbatches wait at stage 0
-/// while the current step's round runs. (Without synchronous steps more in flight made
-/// steps larger and fewer, not training faster: `shoal bench converge`, stop 34.)
-fn in_flight(cfg: &TrainerConfig, stages: usize, batch: usize, target: usize) -> usize {
-    let c = cfg.concurrency.max(1);
-    if cfg.sync_steps && stages > 1 {
-        c.max(stages).max(target.div_ceil(batch.max(1)))
-    } else {
-        c
-    }
 }
 
 fn fail(ctx: &Ctx, n: u64, reason: String) {
@@ -425,6 +422,7 @@ async fn microbatch(
         match pass(ctx, micro, &x, &y, &mut permit, &mut admitted).await {
             Ok(stage0) => {
                 ctx.stats.completed.fetch_add(n, Ordering::Relaxed);
+                ctx.window.finished();
                 if ctx.stages == 1 && ctx.cfg.sync_steps {
                     if let Some((peer, step)) = stage0 {
                         wait_for_step(ctx, peer, step).await;

@@ -22,11 +22,22 @@ const CROWDED_REPLICAS: usize = 8;
 /// See [`CROWDED_REPLICAS`].
 const CROWDED_SLOWDOWN: u32 = 20;
 
+/// While refreshes keep finding replicas the table did not hold, they come this many
+/// times `refresh` apart, however full the table: a swarm is still forming.
+const GROWING_SLOWDOWN: u32 = 2;
+
 /// How long until the next refresh: `cfg.refresh`, or [`SETTLED_SLOWDOWN`] (then
-/// [`CROWDED_SLOWDOWN`]) times it once every stage has enough replicas in the table.
+/// [`CROWDED_SLOWDOWN`]) times it once every stage has enough replicas in the table —
+/// unless the last refresh found new replicas ([`GROWING_SLOWDOWN`]). When 200 peers
+/// joined at once a trainer's first reads held the first few replicas of each stage, and
+/// at 20 s between refreshes every trainer sent its microbatches to those few (refused
+/// `overloaded` again and again, queues of 10 s and more) while the rest idled: no sample
+/// finished in the swarm's first ~40 s.
 pub(super) fn period(ctx: &Ctx) -> std::time::Duration {
-    let fewest = ctx.table.lock().iter().map(Vec::len).min().unwrap_or(0);
-    if fewest >= CROWDED_REPLICAS {
+    let fewest = ctx.fewest_known();
+    if ctx.grew.load(Ordering::Relaxed) && fewest >= SETTLED_REPLICAS {
+        ctx.cfg.refresh * GROWING_SLOWDOWN
+    } else if fewest >= CROWDED_REPLICAS {
         ctx.cfg.refresh * CROWDED_SLOWDOWN
     } else if fewest >= SETTLED_REPLICAS {
         ctx.cfg.refresh * SETTLED_SLOWDOWN
@@ -35,10 +46,34 @@ pub(super) fn period(ctx: &Ctx) -> std::time::Duration {
     }
 }
 
+impl Ctx {
+    /// Replicas the table holds of the stage it holds fewest of.
+    pub(super) fn fewest_known(&self) -> usize {
+        self.table.lock().iter().map(Vec::len).min().unwrap_or(0)
+    }
+}
+
 /// Re-reads the stage announcements into the routing table, keeping what was measured of
 /// replicas still announced.
 pub(super) async fn refresh(ctx: &Ctx) {
     let net = ctx.client.net();
+    // A stage the table holds few replicas of: one of them names its mates (hints the
+    // read below looks at besides the providers its walk finds).
+    let ask: Vec<(usize, PeerId)> = {
+        let table = ctx.table.lock();
+        let mut rng = ctx.rng.lock();
+        table
+            .iter()
+            .enumerate()
+            .filter(|(_, row)| !row.is_empty() && row.len() < CROWDED_REPLICAS)
+            .map(|(s, row)| (s, row[rng.below(row.len() as u64) as usize].0))
+            .collect()
+    };
+    futures::future::join_all(
+        ask.into_iter()
+            .map(|(s, peer)| ctx.anns.ask_mates(net, (ctx.client.run(), s), peer)),
+    )
+    .await;
     let how = registry::Reading::cached(&ctx.anns);
     let Ok(per_stage) = registry::read_run_with(net, ctx.client.run(), ctx.stages, &how).await
     else {
@@ -78,6 +113,11 @@ pub(super) async fn refresh(ctx: &Ctx) {
         fresh.push(row);
     }
     let mut table = ctx.table.lock();
+    let grew = fresh
+        .iter()
+        .zip(table.iter())
+        .any(|(row, old)| row.iter().any(|(p, _)| !old.iter().any(|(q, _)| q == p)));
+    ctx.grew.store(grew, Ordering::Relaxed);
     for (s, row) in fresh.iter_mut().enumerate() {
         // A walk that found less than half the replicas known is more likely a slow or
         // partial DHT lookup (in a busy swarm of 200 many timed out empty) than half a

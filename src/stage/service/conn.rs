@@ -48,6 +48,18 @@ async fn read_request(
     if let Some(r) = check(shared, &req) {
         return Ok(Read::Refused(r));
     }
+    // A call that would find the queue full is refused before its tensors are read: the
+    // caller sends them elsewhere, so reading them here only spent its link. (A
+    // synchronous call may wait for its step first, and the queue may have room by then.)
+    if let Some(job) = req.call.job() {
+        if !job.sync && !shared.jobs.has_room(super::jobs::Lane::of(req.op())) {
+            return Ok(Read::Refused(refusal(
+                shared,
+                ErrorKind::Overloaded,
+                "request queue is full",
+            )));
+        }
+    }
     let wants = shared.expect.wants_of(&req);
     let mut frames = Vec::with_capacity(req.tensors as usize);
     let mut held = Held::new(shared, peer);
@@ -377,6 +389,9 @@ async fn answer(
         Op::Info => {
             let mut header = ok(shared, 0);
             header.info = shared.info.lock().clone();
+            if header.info.is_some() {
+                header.mates = super::mates::hints(shared, peer).await;
+            }
             shared.counters.served.fetch_add(1, Ordering::Relaxed);
             Reply {
                 header,

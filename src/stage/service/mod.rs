@@ -3,13 +3,16 @@
 //! An inbound stream is read under a timeout and with every length checked before anything
 //! is allocated (`net::io`). The request is checked (run, stage, step, tensor count) and
 //! queued without waiting: when the queue is full the caller is told `overloaded` at once,
-//! so a replica never buffers without bound. A single OS thread owns the candle stage and
+//! so a replica never buffers without bound (backwards wait in a lane of their own and
+//! are taken first, see `jobs`). A single OS thread owns the candle stage and
 //! works through the queue; a bad tensor, NaN input or failing op becomes a typed error
 //! response, and the replica goes on with the next request.
 //!
 //! - [`counters`]: what the replica counts, and its cached training status.
 //! - `conn`: one inbound stream: read, check, dispatch, answer.
-//! - `worker`: the job queue and the compute thread.
+//! - `jobs`: the job queue, backwards before forwards.
+//! - `mates`: the stage mates an `info` answer names.
+//! - `worker`: the compute thread.
 //! - [`push`]: activations a replica of the stage before pushes here, held for their call.
 //! - this module: the service handle and what it shares with those.
 //!
@@ -21,6 +24,8 @@ mod conn;
 pub mod counters;
 pub mod expect;
 mod hold;
+mod jobs;
+mod mates;
 pub mod neighbours;
 pub mod push;
 mod worker;
@@ -42,7 +47,7 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore};
 
 /// How far behind the replica's step a caller's forward or backward may be tagged before it
 /// is refused (`stale_step`, which tells the caller the step). A caller's step is the one
@@ -149,10 +154,12 @@ struct Shared {
     expect: expect::Expect,
     queue: AtomicU32,
     cfg: ServiceConfig,
-    /// Taken when the service is dropped, so the compute thread sees the queue close.
-    jobs: Mutex<Option<mpsc::Sender<worker::Job>>>,
+    /// Closed when the service is dropped, so the compute thread finishes and exits.
+    jobs: jobs::JobQueue<worker::Job>,
     readers: Arc<Semaphore>,
     info: Mutex<Option<String>>,
+    /// The stage's other live replicas ([`StageService::set_mates`]).
+    mates: Mutex<Vec<PeerId>>,
     counters: Counters,
     replica: Arc<tokio::sync::Mutex<Replica>>,
     status: Mutex<ReplicaStatus>,
@@ -217,8 +224,8 @@ pub struct StageService {
 impl Drop for StageService {
     fn drop(&mut self) {
         self.accept.cancel();
-        // Without the sender the compute thread finishes the queued jobs and exits.
-        self.shared.jobs.lock().take();
+        // The compute thread finishes the queued jobs and exits.
+        self.shared.jobs.close();
     }
 }
 
@@ -250,7 +257,6 @@ impl StageService {
                 r.accumulator(),
             )
         };
-        let (tx, rx) = mpsc::channel(cfg.queue_cap.max(1));
         let expect = expect::Expect::of(&manifest.config, stage as usize);
         let mut cfg = cfg;
         let run_limits = expect.limits();
@@ -259,6 +265,7 @@ impl StageService {
         let peer_budget = cfg.max_bytes_per_peer.unwrap_or_else(|| {
             (FRAMES_PER_PEER.saturating_mul(cfg.limits.max_bytes)).max(MIN_BYTES_PER_PEER)
         });
+        let queue_cap = cfg.queue_cap;
         let shared = Arc::new(Shared {
             run: manifest.id.clone(),
             stage,
@@ -266,8 +273,9 @@ impl StageService {
             queue: AtomicU32::new(0),
             readers: Arc::new(Semaphore::new(cfg.max_readers.max(1))),
             cfg,
-            jobs: Mutex::new(Some(tx)),
+            jobs: jobs::JobQueue::new(queue_cap),
             info: Mutex::new(None),
+            mates: Mutex::new(Vec::new()),
             counters: Counters::default(),
             replica,
             status: Mutex::new(status),
@@ -302,7 +310,7 @@ impl StageService {
             .name(format!("shoal-stage-{stage}"))
             .spawn(move || {
                 let w = worker::Worker::new(codec, Arc::clone(&worker_shared));
-                worker::run_guarded(&worker_shared, move || w.run(rx));
+                worker::run_guarded(&worker_shared, move || w.run());
             })
             .map_err(|e| NetError::Invalid(format!("cannot start the compute thread: {e}")))?;
         let span = tracing::info_span!("stage", index = stage);
@@ -359,7 +367,7 @@ impl StageService {
     /// jobs already queued.
     pub async fn close(&self) {
         self.drain();
-        self.shared.jobs.lock().take();
+        self.shared.jobs.close();
         // The loops end at once (each waits for its next stream); their per-stream tasks
         // finish the calls under way.
         self.accept.shutdown(Duration::from_secs(5)).await;
@@ -403,6 +411,12 @@ impl StageService {
         let mut st = self.shared.status.lock().clone();
         st.owed_count = self.shared.accum.lock().owed_now();
         st
+    }
+
+    /// The stage's other live replicas, as the averager hears them: an `info` answer names
+    /// some of them ([`crate::wire::msg::Response::mates`]).
+    pub fn set_mates(&self, mates: Vec<PeerId>) {
+        *self.shared.mates.lock() = mates;
     }
 
     /// What the stage's other replicas hold toward this one's step, as the averager heard

@@ -2,6 +2,7 @@
 //! the candle stage and works through it; and the start-up throughput measurement.
 
 use super::conn::{ok, refusal};
+use super::jobs::Lane;
 use super::{ReplicaStatus, Reply, Shared};
 use crate::model::{ModelError, Stage, Upstream};
 use crate::stage::replica::Replica;
@@ -12,7 +13,7 @@ use candle_core::{DType, Tensor};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// A forward or backward call waiting for the compute thread.
 pub(super) struct Job {
@@ -24,19 +25,18 @@ pub(super) struct Job {
 
 pub(super) async fn queue_job(shared: &Arc<Shared>, req: Request, frames: Vec<Vec<u8>>) -> Reply {
     let (tx, rx) = oneshot::channel();
-    let Some(jobs) = shared.jobs.lock().clone() else {
+    if shared.jobs.is_closed() {
         return refusal(shared, ErrorKind::Overloaded, "this replica is stopping");
-    };
+    }
+    let lane = Lane::of(req.op());
     shared.queue.fetch_add(1, Ordering::Relaxed);
-    if jobs
-        .try_send(Job {
-            req,
-            frames,
-            reply: tx,
-            queued_at: Instant::now(),
-        })
-        .is_err()
-    {
+    let job = Job {
+        req,
+        frames,
+        reply: tx,
+        queued_at: Instant::now(),
+    };
+    if shared.jobs.push(lane, job).is_err() {
         shared.queue.fetch_sub(1, Ordering::Relaxed);
         return refusal(shared, ErrorKind::Overloaded, "request queue is full");
     }
@@ -54,7 +54,7 @@ pub(super) fn run_guarded(shared: &Arc<Shared>, body: impl FnOnce()) {
         tracing::debug!(stage = shared.stage, "the compute thread failed: {why}");
         shared.draining.store(true, Ordering::Relaxed);
         *shared.failed.lock() = Some(why);
-        shared.jobs.lock().take();
+        shared.jobs.abandon();
     }
 }
 
@@ -111,10 +111,10 @@ impl Worker {
         Self { codec, shared }
     }
 
-    pub(super) fn run(self, mut rx: mpsc::Receiver<Job>) {
+    pub(super) fn run(self) {
         let c = &self.shared.counters;
         let codec_us = || c.decode_us.load(Ordering::Relaxed) + c.encode_us.load(Ordering::Relaxed);
-        while let Some(job) = rx.blocking_recv() {
+        while let Some(job) = self.shared.jobs.pop() {
             let t0 = Instant::now();
             let waited = t0.saturating_duration_since(job.queued_at);
             c.queue_us

@@ -24,11 +24,11 @@ pub const MAX_HEADER: usize = 64 << 10;
 /// (`/shoal/stage/N`, `/shoal/avg/N`, `/shoal/state/N`, `/shoal/kad/N`, identify's
 /// `/shoal/wire/N`) and [`MSG_VERSION`] are built from it, so they change together.
 /// (7: averaging and state download on protocols of their own; 8: a request's call is an
-/// enum tagged by its op.)
+/// enum tagged by its op; 9: an `info` answer names stage mates, [`Response::mates`].)
 #[macro_export]
 macro_rules! wire_version {
     () => {
-        8
+        9
     };
 }
 
@@ -44,6 +44,9 @@ pub const HASH_PAGE: usize = 1024;
 
 /// Mates an [`AvgMsg::Mates`] names at most (with two addresses each, ~25 KB of header).
 pub const MAX_MATES: usize = 128;
+
+/// Stage mates an `info` answer names at most ([`Response::mates`]).
+pub const INFO_MATES: usize = 16;
 
 /// Floats per chunk of an averaging part, at most (a part's chunk is one frame).
 pub const PART_CHUNK: usize = 256 << 10;
@@ -259,8 +262,25 @@ pub struct Response {
     /// The update a chunk belongs to, for [`Call::StateUpdate`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update: Option<UpdateInfo>,
+    /// For [`Call::Info`]: live replicas of the same stage the replica hears from (at most
+    /// [`INFO_MATES`], picked at random), so that a reader learns a stage from one of its
+    /// replicas instead of a DHT walk. Hints only: a reader asks each for its own
+    /// announcement before it counts it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mates: Vec<MateHint>,
     /// Tensor frames that follow.
     pub tensors: u8,
+}
+
+/// A stage mate named in an `info` answer: its peer id and addresses it may be dialled on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MateHint {
+    /// Peer id (base58).
+    pub peer: String,
+    /// Multiaddrs (at most two are taken).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addrs: Vec<String>,
 }
 
 /// An averaged update a replica applied: what a replica that has the state of `step`
@@ -310,6 +330,7 @@ impl Response {
             state: None,
             hashes: None,
             update: None,
+            mates: Vec::new(),
             tensors,
         }
     }
@@ -486,10 +507,10 @@ mod tests {
             Err(MsgError::TooManyTensors(200))
         );
         r.tensors = 0;
-        r.v = 9;
+        r.v = MSG_VERSION + 1;
         assert_eq!(
             decode_response(&encode_header(&r)[4..]),
-            Err(MsgError::Version(9))
+            Err(MsgError::Version(MSG_VERSION + 1))
         );
     }
 }
