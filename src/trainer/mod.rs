@@ -308,7 +308,7 @@ async fn run(
             _ = stop.changed() => continue,
         };
         // Within the window (this permit counted): wait while more are in flight.
-        while most - sem.available_permits() > ctx.window.limit(ctx.fewest_known()) {
+        while most - sem.available_permits() > ctx.window.limit() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let b = sampler.next_batch(&source, batch, seq);

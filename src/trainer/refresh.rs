@@ -34,7 +34,7 @@ const GROWING_SLOWDOWN: u32 = 2;
 /// `overloaded` again and again, queues of 10 s and more) while the rest idled: no sample
 /// finished in the swarm's first ~40 s.
 pub(super) fn period(ctx: &Ctx) -> std::time::Duration {
-    let fewest = ctx.fewest_known();
+    let fewest = ctx.table.lock().iter().map(Vec::len).min().unwrap_or(0);
     if ctx.grew.load(Ordering::Relaxed) && fewest >= SETTLED_REPLICAS {
         ctx.cfg.refresh * GROWING_SLOWDOWN
     } else if fewest >= CROWDED_REPLICAS {
@@ -43,13 +43,6 @@ pub(super) fn period(ctx: &Ctx) -> std::time::Duration {
         ctx.cfg.refresh * SETTLED_SLOWDOWN
     } else {
         ctx.cfg.refresh
-    }
-}
-
-impl Ctx {
-    /// Replicas the table holds of the stage it holds fewest of.
-    pub(super) fn fewest_known(&self) -> usize {
-        self.table.lock().iter().map(Vec::len).min().unwrap_or(0)
     }
 }
 

@@ -1,6 +1,5 @@
 //! How many microbatches a trainer keeps in flight right now ([`Window`]): at most its
-//! `--concurrency`, fewer while the replicas it knows refuse work as `overloaded`, and
-//! never more than [`PER_KNOWN`] per replica of the stage it knows fewest replicas of.
+//! `--concurrency`, fewer while the replicas it knows refuse work as `overloaded`.
 //!
 //! Why: microbatches beyond what the replicas can take only wait in their queues (each
 //! hop then waits a whole queue) or are refused, sent again elsewhere and refused again,
@@ -15,9 +14,6 @@
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-
-/// Microbatches in flight per replica known in the stage the trainer knows fewest of.
-pub(super) const PER_KNOWN: usize = 3;
 
 /// The window shrinks at most this often.
 const CUT_EVERY: Duration = Duration::from_secs(1);
@@ -65,11 +61,9 @@ impl Window {
         Self::new(fewest, most)
     }
 
-    /// Microbatches that may be in flight now, with `fewest_known` replicas known in the
-    /// stage the trainer knows fewest of.
-    pub(super) fn limit(&self, fewest_known: usize) -> usize {
-        let by_known = PER_KNOWN.saturating_mul(fewest_known).max(self.min);
-        self.limit.load(Ordering::Relaxed).min(by_known)
+    /// Microbatches that may be in flight now.
+    pub(super) fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
     }
 
     /// A microbatch finished: one more may be in flight.
@@ -121,33 +115,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_window_shrinks_on_refusals_grows_with_finished_work_and_follows_the_known() {
+    fn the_window_shrinks_on_refusals_and_grows_with_finished_work() {
         let w = Window::new(4, 24);
         let t0 = Instant::now();
-        // Open at first, but no more than PER_KNOWN per replica of the least known stage.
-        assert_eq!(w.limit(100), 24);
-        assert_eq!(w.limit(2), 6);
-        assert_eq!(w.limit(0), 4, "never below the floor");
+        // Open at first.
+        assert_eq!(w.limit(), 24);
         // A refusal cuts a quarter; more refusals within a second do not cut again.
         w.overloaded(t0);
-        assert_eq!(w.limit(100), 18);
+        assert_eq!(w.limit(), 18);
         w.overloaded(t0 + Duration::from_millis(500));
-        assert_eq!(w.limit(100), 18);
+        assert_eq!(w.limit(), 18);
         // Later refusals cut again, down to the floor and no further.
         for i in 1..20 {
             w.overloaded(t0 + Duration::from_secs(i));
         }
-        assert_eq!(w.limit(100), 4);
+        assert_eq!(w.limit(), 4);
         // Finished microbatches open it one by one, up to the most.
         for _ in 0..3 {
             w.finished();
         }
-        assert_eq!(w.limit(100), 7);
+        assert_eq!(w.limit(), 7);
         for _ in 0..100 {
             w.finished();
         }
-        assert_eq!(w.limit(100), 24);
+        assert_eq!(w.limit(), 24);
         // A floor above the most is the most.
-        assert_eq!(Window::new(8, 2).limit(0), 2);
+        assert_eq!(Window::new(8, 2).limit(), 2);
     }
 }
