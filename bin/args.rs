@@ -100,7 +100,7 @@ pub struct PeerArgs {
     /// Offer relay service to peers that cannot be dialled directly.
     #[arg(long)]
     pub relay_server: bool,
-    /// Requests the stage may queue before it answers `overloaded`.
+    /// Forwards (and, apart, backwards) the stage may queue before it answers `overloaded`.
     #[arg(long, default_value_t = ServiceConfig::QUEUE_CAP, value_name = "N")]
     pub queue: usize,
     /// Seconds an announcement lives (refreshed at a third of it).

@@ -185,11 +185,9 @@ pub async fn read_stage_counted(
         .get_providers_within(dht::stage_key(run, stage).into_bytes(), patience)
         .await?;
     let mut peers: Vec<PeerId> = providers.into_iter().collect();
-    {
-        for p in hints {
-            if !peers.contains(&p) {
-                peers.push(p);
-            }
+    for p in hints {
+        if !peers.contains(&p) {
+            peers.push(p);
         }
     }
     let total = peers.len();

@@ -5,10 +5,9 @@
 //! Why: a backward finishes a microbatch (its kept forward is freed, its samples count),
 //! a forward starts one. With one first-come lane a replica whose queue was full of
 //! forwards refused the backwards of microbatches already half done, or ran them after
-//! every forward ahead of them; in a swarm whose trainers fill every replica's queue (a
-//! 200-peer sim at start) each backward hop then waited a whole queue, and no sample
-//! finished for the first ~40 s. Backwards first is what one-forward-one-backward
-//! pipeline schedules do for the same reason.
+//! every forward ahead of them: in a 200-peer sim whose trainers filled the queues of the
+//! few replicas they knew, each backward hop waited a whole queue (~7 s). Backwards first
+//! is what one-forward-one-backward pipeline schedules do for the same reason.
 
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;

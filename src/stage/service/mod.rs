@@ -62,7 +62,8 @@ pub const MAX_CALLER_LAG: u64 = 8;
 /// Knobs of a stage service.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// Requests that may wait or run at once; more are answered `overloaded`.
+    /// Forwards that may wait at once, and as many backwards besides (each kind waits in
+    /// a lane of its own, backwards taken first); more are answered `overloaded`.
     pub queue_cap: usize,
     /// Streams that may be reading their request at once; more wait (up to
     /// `read_timeout`) for their turn.
