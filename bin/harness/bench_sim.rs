@@ -471,9 +471,9 @@ async fn measure(
                 if ticks % 5 == 0 {
                     let (done, swaps) = (sim.completed(), sim.swaps());
                     let mean = last_bounds.iter().sum::<f64>() / last_bounds.len().max(1) as f64;
-                    let placement = sim.placement();
-                    tracing::info!(target: "shoal::bench", t = ticks, rate = (done - last_done) as f64 / 5.0, bound = mean, swaps = swaps - last_swaps, ?placement, "timeline");
-                    timeline.push((ticks as f64, (done - last_done) as f64 / 5.0, mean, swaps - last_swaps, placement));
+                    let (rate, placement) = ((done - last_done) as f64 / 5.0, sim.placement());
+                    tracing::info!(target: "shoal::bench", t = ticks, rate, bound = mean, swaps = swaps - last_swaps, ?placement, "timeline");
+                    timeline.push((ticks as f64, rate, mean, swaps - last_swaps, placement));
                     (last_done, last_swaps) = (done, swaps);
                     last_bounds.clear();
                 }
@@ -586,11 +586,7 @@ async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
         .iter()
         .map(|s| s.failed.load(Relaxed))
         .sum();
-    row.swaps = sim
-        .trainer_stats
-        .iter()
-        .map(|s| s.swaps.load(Relaxed))
-        .sum();
+    row.swaps = sim.swaps();
     row.vanished = row.fed as i64 - row.completed as i64 - row.failed as i64;
     row.failures = reasons(sim.trainer_stats.iter().map(|s| &s.failures));
     row.swap_reasons = reasons(sim.trainer_stats.iter().map(|s| &s.swap_reasons));

@@ -20,7 +20,6 @@ mod stats;
 mod window;
 pub use routing::Routing;
 pub use stats::TrainerStats;
-use window::in_flight;
 
 use crate::data::{DataError, Sampler, TokenSource};
 use crate::dht::Manifest;
@@ -114,8 +113,6 @@ struct Ctx {
     client: StageClient,
     stages: usize,
     total_steps: u64,
-    /// The run's target batch.
-    target: usize,
     table: Mutex<Table>,
     stats: Arc<TrainerStats>,
     rng: Mutex<Rng>,
@@ -190,7 +187,6 @@ impl Trainer {
             client: client.clone(),
             stages,
             total_steps: m.config.training.steps,
-            target: m.config.target_batch_size(),
             table: Mutex::new(vec![Vec::new(); stages]),
             anns: crate::stage::registry::AnnCache::new(ANNOUNCEMENT_MAX_AGE)
                 .missing_for(ANNOUNCEMENT_MISSING)
@@ -291,7 +287,7 @@ async fn run(
         }));
     }
     let mut sampler = Sampler::new(data_seed, ctx.cfg.index);
-    let most = in_flight(&ctx.cfg, ctx.stages, batch, ctx.target);
+    let most = ctx.window.most();
     let sem = Arc::new(Semaphore::new(most));
     let mut tasks = tokio::task::JoinSet::new();
     let mut counter: u64 = 0;

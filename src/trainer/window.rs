@@ -61,6 +61,11 @@ impl Window {
         Self::new(fewest, most)
     }
 
+    /// The most microbatches ever in flight ([`in_flight`] for a trainer).
+    pub(super) fn most(&self) -> usize {
+        self.max
+    }
+
     /// Microbatches that may be in flight now.
     pub(super) fn limit(&self) -> usize {
         self.limit.load(Ordering::Relaxed)
@@ -96,12 +101,7 @@ impl Window {
 /// `batch`), so that every stage has work and the next step's microbatches wait at stage 0
 /// while the current step's round runs. (Without synchronous steps more in flight made
 /// steps larger and fewer, not training faster: `shoal bench converge`, stop 34.)
-pub(super) fn in_flight(
-    cfg: &super::TrainerConfig,
-    stages: usize,
-    batch: usize,
-    target: usize,
-) -> usize {
+fn in_flight(cfg: &super::TrainerConfig, stages: usize, batch: usize, target: usize) -> usize {
     let c = cfg.concurrency.max(1);
     if cfg.sync_steps && stages > 1 {
         c.max(stages).max(target.div_ceil(batch.max(1)))
