@@ -133,6 +133,12 @@ fn print_row(r: &SimRow) {
         "DHT: {} gets, p50 {:.0} ms, p99 {:.0} ms, {:.1} per peer per minute; routing table p50 {:.0} peers; {:.0} connections per peer (median)",
         r.lookups, r.lookup_p50_ms, r.lookup_p99_ms, r.lookups_per_peer_min, r.dht_routing_table_p50, r.connections_p50
     );
+    let pairs: Vec<String> = r
+        .connection_pairs
+        .iter()
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect();
+    println!("connected pairs by what joins them: {}", pairs.join(", "));
     let served: Vec<String> = r
         .dht_served_per_peer_min
         .iter()

@@ -19,8 +19,9 @@
 //! replicas of min(compute, link capacities), and the trainers' links
 //! ([`super::scenarios::bound`]).
 
-use super::bench_sim_row::{reasons, SimRow};
+use super::bench_sim_row::{reasons, SimRow, Tick};
 use super::scenarios::{bound, ReplicaSpec, Setup};
+use super::sim_probe::{self, median, rss_mib, Role};
 use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use libp2p::Multiaddr;
@@ -338,15 +339,6 @@ fn listen_addr(tcp: bool) -> Multiaddr {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
-fn rss_mib() -> f64 {
-    shoal::swarm::events::rss_bytes().map_or(0.0, |b| b as f64 / 1048576.0)
-}
-
 /// Runs the sim swarm and measures it.
 pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
     if opts.peers < SEEDS + 2 + opts.stages {
@@ -452,6 +444,7 @@ async fn measure(
     let mut timeline = Vec::new();
     let (mut last_done, mut last_swaps, mut last_bounds) =
         (sim.completed(), sim.swaps(), Vec::new());
+    let mut last_cpu = sim_probe::cpu_seconds().unwrap_or(0.0);
     let mut ticks = 0u64;
     while Instant::now() < end {
         tokio::select! {
@@ -471,10 +464,13 @@ async fn measure(
                 if ticks % 5 == 0 {
                     let (done, swaps) = (sim.completed(), sim.swaps());
                     let mean = last_bounds.iter().sum::<f64>() / last_bounds.len().max(1) as f64;
-                    let (rate, placement) = ((done - last_done) as f64 / 5.0, sim.placement());
-                    tracing::info!(target: "shoal::bench", t = ticks, rate, bound = mean, swaps = swaps - last_swaps, ?placement, "timeline");
-                    timeline.push((ticks as f64, rate, mean, swaps - last_swaps, placement));
-                    (last_done, last_swaps) = (done, swaps);
+                    let cpu = sim_probe::cpu_seconds().unwrap_or(last_cpu);
+                    let (samples_per_s, cpu_cores) = ((done - last_done) as f64 / 5.0, (cpu - last_cpu) / 5.0);
+                    let t = Tick { t: ticks as f64, samples_per_s, bound: mean, swaps: swaps - last_swaps, placement: sim.placement(),
+                        cpu_cores, trainers_know: sim_probe::known_fewest(&sim.trainer_stats) };
+                    tracing::info!(target: "shoal::bench", ?t, "timeline");
+                    timeline.push(t);
+                    (last_done, last_swaps, last_cpu) = (done, swaps, cpu);
                     last_bounds.clear();
                 }
                 if let (Some(at), Some(every)) = (next_churn, churn_every) {
@@ -546,15 +542,22 @@ async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
     let mut row = SimRow::default();
     let stages = sim.opts.stages;
     let (mut members, mut rounds) = (vec![0u64; stages], vec![0u64; stages]);
-    let (mut tables, mut conns) = (Vec::new(), Vec::new());
+    let (mut tables, mut conns, mut links) = (Vec::new(), Vec::new(), Vec::new());
     row.placement = vec![0; stages];
-    for m in sim.live() {
+    for (slot, m) in sim.members.iter().enumerate() {
+        let Some(m) = m else { continue };
         row.rebalance_moves += m.peer.moves();
         if let Ok(st) = m.peer.net().status().await {
             tables.push(st.routing_table as f64);
         }
         if let Ok(c) = m.peer.net().connections().await {
             conns.push(c.len() as f64);
+            let role = Role::of(slot < SEEDS, m.trainer, m.peer.stage());
+            links.push((
+                m.peer.net().local_peer_id(),
+                role,
+                c.into_iter().map(|c| c.peer).collect(),
+            ));
         }
         let (Some(s), Some(a)) = (m.peer.stage(), m.peer.avg_stats()) else {
             continue;
@@ -572,6 +575,7 @@ async fn tally(sim: &mut Sim, _window_s: f64) -> SimRow {
         .collect();
     row.dht_routing_table_p50 = median(&mut tables);
     row.connections_p50 = median(&mut conns);
+    row.connection_pairs = sim_probe::relations(&links);
     // Trainers first: their microbatches finish while every replica still serves.
     let (trainer_peers, others): (Vec<Member>, Vec<Member>) = sim
         .members

@@ -52,22 +52,37 @@ pub struct SimRow {
     pub peak_rss_mib: f64,
     pub rss_per_peer_mib: f64,
     pub window_s: f64,
-    /// Every 5 s of the warm-up and the window: seconds since every peer joined, samples/s
-    /// completed over those 5 s, the bound then, calls swapped over those 5 s, and the
-    /// serving replicas per stage.
-    pub timeline: Vec<(f64, f64, f64, u64, Vec<usize>)>,
+    /// Every 5 s of the warm-up and the window.
+    pub timeline: Vec<Tick>,
+    /// Connected pairs of peers at the end, by what joins them
+    /// ([`super::sim_probe::relations`]).
+    pub connection_pairs: std::collections::BTreeMap<&'static str, usize>,
+}
+
+/// Five seconds of the sim swarm.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Tick {
+    /// Seconds since every peer joined.
+    pub t: f64,
+    /// Samples/s completed over these 5 s.
+    pub samples_per_s: f64,
+    /// The bound over them (mean of the per-second samples).
+    pub bound: f64,
+    /// Calls swapped over them.
+    pub swaps: u64,
+    /// Serving replicas per stage.
+    pub placement: Vec<usize>,
+    /// Cores the process kept busy over them (of the machine's).
+    pub cpu_cores: f64,
+    /// The replicas the trainers' last reads found in their least-found stage (median).
+    pub trainers_know: f64,
 }
 
 impl SimRow {
     pub fn to_json(&self) -> serde_json::Value {
         let mut v = self.figures();
-        v["timeline"] = self
-            .timeline
-            .iter()
-            .map(|(t, r, b, sw, pl)| {
-                serde_json::json!({"t": t, "samples_per_s": r, "bound": b, "swaps": sw, "placement": pl})
-            })
-            .collect();
+        v["timeline"] = serde_json::json!(self.timeline);
+        v["connection_pairs"] = serde_json::json!(self.connection_pairs);
         v
     }
 

@@ -7,7 +7,8 @@
 //! - [`bench_swarm`] and [`scenarios`]: `shoal bench swarm`; [`bench_large`]: its `large`
 //!   scenario (averaging and state download of stages of real size).
 //! - [`bench_converge`]: `shoal bench converge` (time to a target loss per way of stepping).
-//! - [`bench_sim`]: `shoal bench sim` (hundreds of peers in this process, not children).
+//! - [`bench_sim`]: `shoal bench sim` (hundreds of peers in this process, not children);
+//!   [`sim_probe`]: what it reads of its process and the swarm besides the samples.
 
 pub mod bench_compress;
 pub mod bench_converge;
@@ -17,6 +18,7 @@ pub mod bench_sim_row;
 pub mod bench_swarm;
 pub mod demo;
 pub mod scenarios;
+pub mod sim_probe;
 
 use shoal::dht::Manifest;
 use shoal::net::{self, NetConfig, NetHandle};
