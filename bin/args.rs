@@ -100,6 +100,12 @@ pub struct PeerArgs {
     /// Offer relay service to peers that cannot be dialled directly.
     #[arg(long)]
     pub relay_server: bool,
+    /// Use the DHT without serving it (Kademlia client mode): for a machine behind NAT, or
+    /// any peer that should not carry others' DHT traffic. The swarm's reachable peers keep
+    /// the table; a swarm where every peer serves it ends up nearly fully connected
+    /// (BENCHMARKS.md, "Stop 55").
+    #[arg(long)]
+    pub dht_client: bool,
     /// Forwards (and, apart, backwards) the stage may queue before it answers `overloaded`.
     #[arg(long, default_value_t = ServiceConfig::QUEUE_CAP, value_name = "N")]
     pub queue: usize,
@@ -370,6 +376,7 @@ impl TryFrom<&PeerArgs> for PeerConfig {
         let (identity, _created) = keys::load_or_create_identity(&a.identity)?;
         let mut netcfg = net_config(&a.net, identity, listen)?;
         netcfg.relay_server = a.relay_server;
+        netcfg.dht_server = !a.dht_client;
         let ttl = Duration::from_secs(a.announce_ttl);
         // Providers outlive announcements (a reader tells a live replica by its
         // announcement); republished every third of it.

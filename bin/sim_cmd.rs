@@ -35,6 +35,12 @@ pub struct SimArgs {
     /// `ulimit -n` well above 20,000).
     #[arg(long)]
     tcp: bool,
+    /// Fraction of the peers (seeds aside, which always are) publicly reachable, serving
+    /// the DHT; the others are home machines behind NAT: DHT clients (`shoal peer
+    /// --dht-client`) that their stage mates and trainers reach directly, as after a hole
+    /// punch. 1: every peer serves the DHT.
+    #[arg(long, default_value_t = 0.2, value_name = "FRACTION")]
+    public: f64,
     /// Samples/s each stage's replicas do together (the sim stages' speed).
     #[arg(long, default_value_t = bench_sim::SWARM_RATE, value_name = "SAMPLES")]
     rate: f64,
@@ -61,6 +67,12 @@ pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
             a.rate
         );
     }
+    if !(0.0..=1.0).contains(&a.public) {
+        bail!(
+            "--public is the fraction of peers publicly reachable, 0 to 1, not {}",
+            a.public
+        );
+    }
     if !(0.0..=1.0).contains(&a.churn) {
         bail!(
             "--churn is a fraction of the stage peers per minute, 0 to 1, not {}",
@@ -82,6 +94,7 @@ pub fn bench_sim(a: SimArgs) -> Result<ExitCode> {
             .filter(|s| s.is_finite() && *s > 0.0)
             .map(std::time::Duration::from_secs_f64),
         rate: a.rate,
+        public: a.public,
     };
     let rt = runtime()?;
     let row = rt.block_on(bench_sim::run(opts));
@@ -107,6 +120,10 @@ fn print_row(r: &SimRow) {
     println!(
         "{} peers ({} serving {} stages, {} with trainers, 3 seeds): every peer joined in {:.1} s (median {:.1} s)",
         r.peers, r.stage_peers, r.stages, r.trainer_peers, r.joined_s, r.joined_p50_s
+    );
+    println!(
+        "{} of them serving the DHT (seeds and public peers), the rest DHT clients",
+        r.dht_servers
     );
     println!(
         "{:.1} samples/s against a bound of {:.1} ({}): efficiency {:.2} over {:.0} s",

@@ -1,18 +1,22 @@
 //! `shoal bench sim`: a swarm of hundreds of peers in this one process, each a full peer
-//! (its own libp2p stack on TCP over 127.0.0.1 behind its own emulated home link, its own
-//! DHT node, stage service, averager and rebalancer) serving `sim` stages, with trainer
-//! peers among them and churn. One process, not one per peer: a `shoal` process costs
-//! ~15 MB and its own runtime threads, which 200 times over would measure the 2 cores'
-//! scheduler more than the swarm; here the peers share one 2-thread runtime (as each
-//! process's would) and the sim stages sleep on their own compute threads.
+//! (its own libp2p stack on libp2p's memory transport, or TCP over 127.0.0.1 with `--tcp`,
+//! behind its own emulated home link; its own DHT node, stage service, averager and
+//! rebalancer) serving `sim` stages, with trainer peers among them and churn. One process,
+//! not one per peer: a `shoal` process costs ~15 MB and its own runtime threads, which 200
+//! times over would measure the 2 cores' scheduler more than the swarm; here the peers
+//! share one 2-thread runtime (as each process's would) and the sim stages sleep on their
+//! own compute threads.
 //!
 //! The swarm: three seed peers (DHT and bootstrap only, as a public swarm's bootstrap
 //! nodes), a tenth of the peers running a trainer loop each (no stage), and the rest
 //! serving a stage they choose themselves (`--stage auto`: the weakest), every one joining
-//! through the seeds at once. Links are drawn per peer: up and down log-uniform in 20–500
-//! Mbit/s, round trips uniform in 10–150 ms. Churn: each minute `--churn` of the stage
-//! peers leave, alternately gracefully and killed (no goodbye, as a crash), each replaced
-//! at once by a fresh `auto` peer.
+//! through the seeds at once. Each peer's link is drawn from a spread of home links
+//! ([`draw_link`]); a fifth (`--public`) are publicly reachable and serve the DHT, the rest
+//! are home machines behind NAT, DHT clients reached directly (as after a hole punch): with
+//! every peer a DHT server, 200 end up ~97% fully connected and 2 cores never catch up
+//! (BENCHMARKS.md, "Stop 55"). Churn: each minute `--churn` of the stage peers leave,
+//! alternately gracefully and killed (no goodbye, as a crash), each replaced at once by a
+//! fresh `auto` peer.
 //!
 //! Efficiency is samples/s completed in the measured window over the bound of the swarm
 //! as it stood (sampled every second, averaged): per stage the sum over its serving
@@ -21,6 +25,7 @@
 
 use super::bench_sim_row::{reasons, SimRow, Tick};
 use super::scenarios::{bound, ReplicaSpec, Setup};
+use super::sim_peers::{draw_link, is_public, listen_addr};
 use super::sim_probe::{self, median, rss_mib, Role};
 use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -80,6 +85,9 @@ pub struct SimOptions {
     pub idle: Option<Duration>,
     /// Samples/s each stage's replicas do together.
     pub rate: f64,
+    /// Fraction of the peers (seeds aside) publicly reachable, serving the DHT; the rest
+    /// are DHT clients ([`is_public`]).
+    pub public: f64,
 }
 
 /// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
@@ -95,16 +103,6 @@ pub fn sim_run(stages: usize, replicas_per_stage: f64, rate: f64) -> RunConfig {
     cfg.training.steps = 1_000_000;
     cfg.training.target_batch_size = Some(TARGET_BATCH);
     cfg
-}
-
-/// A home link drawn from the spread.
-fn draw_link(rng: &mut Rng) -> LinkSpec {
-    let mbit = |rng: &mut Rng| 20.0 * (500.0f64 / 20.0).powf(rng.next_f64()) * 1e6 / 8.0;
-    LinkSpec {
-        up: Some(mbit(rng)),
-        down: Some(mbit(rng)),
-        rtt: Duration::from_millis(10 + rng.below(141)),
-    }
 }
 
 struct Member {
@@ -147,6 +145,7 @@ impl Sim {
         net.link = Some(self.links[slot]);
         // Autonat probes of 200 loopback peers are noise: they are all reachable.
         net.probe_interval = Duration::from_secs(3600);
+        net.dht_server = slot < SEEDS || is_public(slot, self.opts.public);
         if let Some(idle) = self.opts.idle {
             net.idle_timeout = idle;
         }
@@ -330,15 +329,6 @@ impl Sim {
     }
 }
 
-fn listen_addr(tcp: bool) -> Multiaddr {
-    use libp2p::multiaddr::Protocol;
-    if tcp {
-        Multiaddr::from(std::net::Ipv4Addr::LOCALHOST).with(Protocol::Tcp(0))
-    } else {
-        Multiaddr::empty().with(Protocol::Memory(0))
-    }
-}
-
 /// Runs the sim swarm and measures it.
 pub async fn run(opts: SimOptions) -> Result<SimRow, String> {
     if opts.peers < SEEDS + 2 + opts.stages {
@@ -500,6 +490,10 @@ async fn measure(
     row.stage_peers = stage_peers;
     row.trainer_peers = trainers;
     row.stages = sim.opts.stages;
+    row.dht_servers = SEEDS
+        + (SEEDS..row.peers)
+            .filter(|&s| is_public(s, sim.opts.public))
+            .count();
     row.joined_s = joined_s;
     row.joined_p50_s = joined_p50_s;
     row.churn_join_p50_s = median(&mut sim.churn_joins.clone());

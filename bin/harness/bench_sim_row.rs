@@ -7,6 +7,8 @@ pub struct SimRow {
     pub stage_peers: usize,
     pub trainer_peers: usize,
     pub stages: usize,
+    /// Peers of the initial swarm serving the DHT (the seeds and the public peers).
+    pub dht_servers: usize,
     /// Seconds from the first start until every peer of the initial swarm served its
     /// stage (or ran its trainer).
     pub joined_s: f64,
@@ -90,6 +92,7 @@ impl SimRow {
         serde_json::json!({
             "peers": self.peers, "stage_peers": self.stage_peers,
             "trainer_peers": self.trainer_peers, "stages": self.stages,
+            "dht_servers": self.dht_servers,
             "joined_s": self.joined_s, "joined_p50_s": self.joined_p50_s,
             "churn_join_p50_s": self.churn_join_p50_s, "churn_join_max_s": self.churn_join_max_s,
             "join_failures": self.join_failures,

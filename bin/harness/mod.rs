@@ -8,7 +8,8 @@
 //!   scenario (averaging and state download of stages of real size).
 //! - [`bench_converge`]: `shoal bench converge` (time to a target loss per way of stepping).
 //! - [`bench_sim`]: `shoal bench sim` (hundreds of peers in this process, not children);
-//!   [`sim_probe`]: what it reads of its process and the swarm besides the samples.
+//!   [`sim_peers`]: the links and reachability its peers are given; [`sim_probe`]: what it
+//!   reads of its process and the swarm besides the samples.
 
 pub mod bench_compress;
 pub mod bench_converge;
@@ -18,6 +19,7 @@ pub mod bench_sim_row;
 pub mod bench_swarm;
 pub mod demo;
 pub mod scenarios;
+pub mod sim_peers;
 pub mod sim_probe;
 
 use shoal::dht::Manifest;
