@@ -2,8 +2,8 @@
 //! CPU the process used (every simulated peer shares its cores), how many replicas the
 //! trainers' last reads found, and what the connections join (stage mates, neighbouring
 //! stages, trainers and replicas...). These show where a forming swarm spends its time:
-//! a 200-peer swarm that completes no sample for its first ~40 s has both cores busy
-//! throughout and trainers that know a replica or two of each stage.
+//! a 200-peer swarm that completed no sample for its first ~40 s had both cores busy
+//! throughout and trainers that knew no replica of some stage (BENCHMARKS.md, "Stop 55").
 
 use libp2p::PeerId;
 use shoal::trainer::TrainerStats;
