@@ -26,7 +26,7 @@
 use super::bench_sim_row::{reasons, SimRow, Tick};
 use super::scenarios::{bound, ReplicaSpec, Setup};
 use super::sim_peers::{draw_link, is_public, listen_addr};
-use super::sim_probe::{self, median, rss_mib, Role};
+use super::sim_probe::{self, median, mib, rss_mib, Role};
 use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use libp2p::Multiaddr;
@@ -145,7 +145,7 @@ impl Sim {
         net.link = Some(self.links[slot]);
         // Autonat probes of 200 loopback peers are noise: they are all reachable.
         net.probe_interval = Duration::from_secs(3600);
-        net.dht_server = slot < SEEDS || is_public(slot, self.opts.public);
+        net.dht_server = self.serves_dht(slot);
         if let Some(idle) = self.opts.idle {
             net.idle_timeout = idle;
         }
@@ -169,6 +169,11 @@ impl Sim {
         cfg.service.queue_cap = cfg.service.queue_cap.max(4 * IN_FLIGHT_PER_REPLICA);
         cfg.kept_forwards = cfg.kept_forwards.max(8 * IN_FLIGHT_PER_REPLICA);
         cfg
+    }
+
+    /// Whether the peer of `slot` serves the DHT: a seed, or a public peer.
+    fn serves_dht(&self, slot: usize) -> bool {
+        slot < SEEDS || is_public(slot, self.opts.public)
     }
 
     /// Starts the peer of `slot` (a new slot gets a fresh link).
@@ -490,10 +495,7 @@ async fn measure(
     row.stage_peers = stage_peers;
     row.trainer_peers = trainers;
     row.stages = sim.opts.stages;
-    row.dht_servers = SEEDS
-        + (SEEDS..row.peers)
-            .filter(|&s| is_public(s, sim.opts.public))
-            .count();
+    row.dht_servers = (0..row.peers).filter(|&s| sim.serves_dht(s)).count();
     row.joined_s = joined_s;
     row.joined_p50_s = joined_p50_s;
     row.churn_join_p50_s = median(&mut sim.churn_joins.clone());
@@ -525,7 +527,7 @@ async fn measure(
     row.killed = sim.killed;
     row.window_s = window_s;
     row.timeline = timeline;
-    row.peak_rss_mib = shoal::swarm::events::peak_rss_bytes().map_or(0.0, |b| b as f64 / 1048576.0);
+    row.peak_rss_mib = mib(shoal::swarm::events::peak_rss_bytes());
     row.rss_per_peer_mib = (row.peak_rss_mib - rss0).max(0.0) / sim.opts.peers as f64;
     Ok(row)
 }

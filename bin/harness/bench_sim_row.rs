@@ -62,7 +62,7 @@ pub struct SimRow {
 }
 
 /// Five seconds of the sim swarm.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Tick {
     /// Seconds since every peer joined.
     pub t: f64,

@@ -24,7 +24,12 @@ pub fn cpu_seconds() -> Option<f64> {
 
 /// This process's resident memory, MiB (0 where it cannot be read).
 pub fn rss_mib() -> f64 {
-    shoal::swarm::events::rss_bytes().map_or(0.0, |b| b as f64 / 1048576.0)
+    mib(shoal::swarm::events::rss_bytes())
+}
+
+/// `bytes` in MiB (0 when unknown).
+pub fn mib(bytes: Option<u64>) -> f64 {
+    bytes.map_or(0.0, |b| b as f64 / 1048576.0)
 }
 
 /// The median of `v` (0 when empty); sorts it.
