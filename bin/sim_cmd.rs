@@ -156,14 +156,17 @@ fn print_row(r: &SimRow) {
         .map(|(k, n)| format!("{k} {n}"))
         .collect();
     println!("connected pairs by what joins them: {}", pairs.join(", "));
-    let served: Vec<String> = r
-        .dht_served_per_peer_min
-        .iter()
-        .map(|(k, v)| format!("{k} {v:.0}"))
-        .collect();
+    let per_min = |kinds: &[(String, f64)]| -> String {
+        let v: Vec<String> = kinds.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
+        v.join(", ")
+    };
     println!(
         "DHT requests answered per peer per minute: {}",
-        served.join(", ")
+        per_min(&r.dht_served_per_peer_min)
+    );
+    println!(
+        "DHT walks started per peer per minute: {}",
+        per_min(&r.dht_walks_per_peer_min)
     );
     let groups: Vec<String> = r
         .avg_group_sizes

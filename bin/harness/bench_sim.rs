@@ -280,6 +280,14 @@ impl Sim {
         (b, what)
     }
 
+    /// Averaging control messages the live replicas queued so far.
+    fn avg_msgs(&self) -> u64 {
+        self.live()
+            .filter_map(|m| m.peer.avg_stats())
+            .map(|a| a.control_sent.load(Relaxed))
+            .sum()
+    }
+
     fn completed(&self) -> u64 {
         self.trainer_stats
             .iter()
@@ -440,6 +448,7 @@ async fn measure(
     let (mut last_done, mut last_swaps, mut last_bounds) =
         (sim.completed(), sim.swaps(), Vec::new());
     let mut last_cpu = sim_probe::cpu_seconds().unwrap_or(0.0);
+    let mut last_msgs = sim.avg_msgs();
     let mut ticks = 0u64;
     while Instant::now() < end {
         tokio::select! {
@@ -461,8 +470,11 @@ async fn measure(
                     let mean = last_bounds.iter().sum::<f64>() / last_bounds.len().max(1) as f64;
                     let cpu = sim_probe::cpu_seconds().unwrap_or(last_cpu);
                     let (samples_per_s, cpu_cores) = ((done - last_done) as f64 / 5.0, (cpu - last_cpu) / 5.0);
+                    let msgs = sim.avg_msgs();
                     let t = Tick { t: ticks as f64, samples_per_s, bound: mean, swaps: swaps - last_swaps, placement: sim.placement(),
-                        cpu_cores, trainers_know: sim_probe::known_fewest(&sim.trainer_stats) };
+                        cpu_cores, trainers_know: sim_probe::known_fewest(&sim.trainer_stats),
+                        avg_msgs_per_s: msgs.saturating_sub(last_msgs) as f64 / 5.0 };
+                    last_msgs = msgs;
                     tracing::info!(target: "shoal::bench", ?t, "timeline");
                     timeline.push(t);
                     (last_done, last_swaps, last_cpu) = (done, swaps, cpu);
@@ -521,6 +533,11 @@ async fn measure(
     row.dht_served_per_peer_min = shoal::net::stats::SERVED_KINDS
         .iter()
         .zip(&lookups.served)
+        .map(|(k, n)| (k.to_string(), per_peer_min(*n)))
+        .collect();
+    row.dht_walks_per_peer_min = shoal::net::stats::WALK_KINDS
+        .iter()
+        .zip(&lookups.walks)
         .map(|(k, n)| (k.to_string(), per_peer_min(*n)))
         .collect();
     row.left = sim.left;

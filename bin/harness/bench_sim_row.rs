@@ -41,6 +41,8 @@ pub struct SimRow {
     pub lookups_per_peer_min: f64,
     /// DHT requests each peer answered per minute in the window, by kind.
     pub dht_served_per_peer_min: Vec<(String, f64)>,
+    /// DHT walks each peer started per minute in the window, by kind.
+    pub dht_walks_per_peer_min: Vec<(String, f64)>,
     pub rebalance_moves: u64,
     /// Mean members per averaging round, per stage.
     pub avg_group_sizes: Vec<f64>,
@@ -78,6 +80,9 @@ pub struct Tick {
     pub cpu_cores: f64,
     /// The replicas the trainers' last reads found in their least-found stage (median).
     pub trainers_know: f64,
+    /// Averaging control messages (progress, heartbeats, members) the replicas queued per
+    /// second over them, all together.
+    pub avg_msgs_per_s: f64,
 }
 
 impl SimRow {
@@ -104,6 +109,7 @@ impl SimRow {
             "lookup_p50_ms": self.lookup_p50_ms, "lookup_p99_ms": self.lookup_p99_ms,
             "lookups_per_peer_min": self.lookups_per_peer_min,
             "dht_served_per_peer_min": self.dht_served_per_peer_min.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
+            "dht_walks_per_peer_min": self.dht_walks_per_peer_min.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
             "rebalance_moves": self.rebalance_moves,
             "avg_group_sizes": self.avg_group_sizes, "avg_rounds": self.avg_rounds,
             "avg_failed_attempts": self.avg_failed_attempts,

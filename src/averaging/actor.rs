@@ -96,6 +96,13 @@ pub(super) struct State {
     pub(super) guard: super::guard::Guard,
 }
 
+/// A replica's progress goes to its mates at most this many times per heartbeat when it
+/// changes (at once when it steps, fills the step's batch, or first changes after a step).
+const CHANGES_PER_HEARTBEAT: u32 = 3;
+
+/// ... and at most every this long (the default heartbeat ÷ [`CHANGES_PER_HEARTBEAT`]).
+const MIN_CHANGE_EVERY: Duration = Duration::from_millis(100);
+
 impl State {
     pub(super) async fn run(
         mut self,
@@ -122,7 +129,17 @@ impl State {
                     // without a word drops out when its provider record expires (else
                     // heartbeats went to it for ever, a failed dial each).
                     self.looked_up = true;
-                    self.known.retain(|k| peers.iter().any(|(p, _)| p == k));
+                    // A mate heard from within its live timeout stays whatever the read
+                    // found: in a busy swarm a walk misses some providers, and dropping
+                    // them only to find them "new" at the next read kept every replica
+                    // of 45 reading at its fastest (~10 provider walks a second at 200).
+                    let now = Instant::now();
+                    let live = self.cfg.live_timeout;
+                    let views = &self.views;
+                    self.known.retain(|k| {
+                        peers.iter().any(|(p, _)| p == k)
+                            || views.get(k).is_some_and(|v| now.duration_since(v.at) < live)
+                    });
                     quiet += 1;
                     for (p, addrs) in peers {
                         if p != self.me {
@@ -213,6 +230,7 @@ impl State {
     }
 
     fn send(&self, peer: PeerId, msg: AvgMsg) {
+        self.stats.control_sent.fetch_add(1, Ordering::Relaxed);
         if self.outbox.try_send(Outgoing { peer, msg }).is_err() {
             self.stats.dropped_sends.fetch_add(1, Ordering::Relaxed);
         }
@@ -290,14 +308,11 @@ impl State {
             st.owed_count,
             st.shared_hash.clone(),
         );
-        // Changes are sent at most every 100 ms (not one message per microbatch to every
-        // replica), but see the exceptions below.
         let since = self.last_sent_at.elapsed();
         let changed = self.last_sent.as_ref() != Some(&now_sig);
         let stepped = self.last_sent.as_ref().map(|l| l.0) != Some(st.params_step);
-        // The change that fills the step's batch is sent at once: the leader is waiting
-        // for it.
-        let filled = changed && {
+        // What this replica knows the stage holds toward its step.
+        let held = {
             let mine = View::of(st, Instant::now());
             let s = st.params_step;
             let others: u64 = self
@@ -306,16 +321,30 @@ impl State {
                 .filter(|v| v.params_step == s)
                 .map(|v| v.pending_at(s))
                 .sum();
-            mine.pending_at(s) + others >= self.cfg.target.max(1)
+            mine.pending_at(s) + others
         };
+        let target = self.cfg.target.max(1);
+        // The change that fills the step's batch is sent at once: the leader is waiting
+        // for it.
+        let filled = changed && held >= target;
         // So is the first change after a step's: the other replicas learn of this one's
         // first microbatch before theirs fill the step on their own (which made a step
         // hold both, half as large again).
         let first = changed && self.sent_at_step < 2;
+        // Other changes are sent at most every 100 ms (not one message per microbatch to
+        // every replica) once the step's batch is half full; before that, in a large
+        // stage, at most three times a heartbeat: 45 replicas sending each change to every
+        // mate were ~2,500 messages a second at a third of the swarm's rate, and a view a
+        // few seconds old matters only near the end of a step's batch.
+        let change_every = if 2 * held >= target {
+            MIN_CHANGE_EVERY
+        } else {
+            (self.cfg.heartbeat / CHANGES_PER_HEARTBEAT).max(MIN_CHANGE_EVERY)
+        };
         if stepped
             || filled
             || first
-            || (changed && since >= Duration::from_millis(100))
+            || (changed && since >= change_every)
             || since >= self.cfg.heartbeat
         {
             let mine = View::of(st, Instant::now());

@@ -178,6 +178,15 @@ const MEMBERSHIP_MAX_AGE: Duration = Duration::from_secs(600);
 /// swarm of 200 peers spent its two cores on them).
 pub const HEARTBEAT_PER_MATE: Duration = Duration::from_millis(100);
 
+/// Beyond [`CLOSE_MATES`] stage mates, each further one lengthens the heartbeat by this: a
+/// replica among 44 mates sends ~4 heartbeats a second, not 10 (177 replicas in stages of
+/// ~45 sent ~1,800 a second, the largest part of a 200-peer swarm's own traffic once it
+/// formed). Small stages, where a round waits on every member, keep their quick heartbeat.
+pub const HEARTBEAT_PER_FAR_MATE: Duration = Duration::from_millis(300);
+
+/// See [`HEARTBEAT_PER_FAR_MATE`].
+pub const CLOSE_MATES: usize = 8;
+
 /// The stage's providers are read from the DHT at most once per this much per stage mate:
 /// a new mate makes itself known by its heartbeats, so the walk (a few dozen DHT requests)
 /// only backs them up; 45 mates read every 22.5 s instead of every 9 s.
@@ -185,13 +194,18 @@ pub const MEMBERSHIP_PER_MATE: Duration = Duration::from_millis(500);
 
 impl AveragerConfig {
     /// This config in a stage where a replica has `mates` stage mates: the heartbeat at
-    /// least [`HEARTBEAT_PER_MATE`] per mate, a replica live for at least three of them,
+    /// least [`HEARTBEAT_PER_MATE`] per mate and [`HEARTBEAT_PER_FAR_MATE`] per mate beyond
+    /// [`CLOSE_MATES`], a replica live for at least three of them,
     /// and the stage's providers read from the DHT at most every two and every
     /// [`MEMBERSHIP_PER_MATE`] per mate (a new mate makes itself known sooner, by its own
     /// heartbeats). Small stages (up to 3 mates at the default 300 ms) are unchanged.
     pub fn fitted(&self, mates: usize) -> Self {
         let mut c = self.clone();
-        c.heartbeat = self.heartbeat.max(HEARTBEAT_PER_MATE * mates as u32);
+        let far = mates.saturating_sub(CLOSE_MATES) as u32;
+        c.heartbeat = self
+            .heartbeat
+            .max(HEARTBEAT_PER_MATE * mates as u32)
+            .max(HEARTBEAT_PER_FAR_MATE * far);
         c.live_timeout = self.live_timeout.max(c.heartbeat * 3);
         c.membership_every = self
             .membership_every
@@ -365,6 +379,9 @@ pub struct AvgStats {
     pub round_us: AtomicU64,
     /// Messages not sent because the outbox was full.
     pub dropped_sends: AtomicU64,
+    /// Control messages queued for stage mates (progress and heartbeats, members, leave,
+    /// mates): the averager's own traffic besides a round's parts.
+    pub control_sent: AtomicU64,
     /// Milliseconds of the latest rounds (freeze to apply), oldest first.
     pub recent_rounds_ms: parking_lot::Mutex<std::collections::VecDeque<f64>>,
     /// Why the last state download failed, if it did.
@@ -528,9 +545,11 @@ mod tests {
             (base.heartbeat, base.live_timeout, base.membership_every),
             "a small stage keeps its config"
         );
+        let mid = base.fitted(8);
+        assert_eq!(mid.heartbeat, Duration::from_millis(800));
         let big = base.fitted(44);
-        assert_eq!(big.heartbeat, Duration::from_millis(4400));
-        assert_eq!(big.live_timeout, Duration::from_millis(13_200));
+        assert_eq!(big.heartbeat, Duration::from_millis(10_800));
+        assert_eq!(big.live_timeout, Duration::from_millis(32_400));
         assert_eq!(big.membership_every, Duration::from_millis(22_000));
         // A replica's heartbeats to all its mates stay at ten a second or fewer.
         for mates in [1, 4, 10, 44, 200] {
@@ -540,6 +559,10 @@ mod tests {
                 "{mates}"
             );
             assert!(c.live_timeout >= c.heartbeat * 3);
+            if mates >= 40 {
+                let per_s = mates as f64 / c.heartbeat.as_secs_f64();
+                assert!(per_s <= 4.5, "{mates} mates: {per_s} heartbeats a second");
+            }
         }
     }
 }

@@ -22,12 +22,25 @@ pub const SERVED_KINDS: [&str; 5] = [
     "put_record",
 ];
 
-/// Durations of DHT lookups, and requests answered.
+/// The kinds of DHT walks a peer starts, in [`LookupCounts::walks`]'s order: its own
+/// record gets, provider gets, record puts and provides, the bootstraps it asks for, and
+/// those Kademlia starts on its own (every few minutes, and while its table is small).
+pub const WALK_KINDS: [&str; 6] = [
+    "get_record",
+    "get_providers",
+    "put_record",
+    "provide",
+    "bootstrap",
+    "auto_bootstrap",
+];
+
+/// Durations of DHT lookups, walks started and requests answered.
 #[derive(Debug)]
 pub struct LookupStats {
     counts: [AtomicU64; BUCKETS],
     total_us: AtomicU64,
     served: [AtomicU64; SERVED_KINDS.len()],
+    walks: [AtomicU64; WALK_KINDS.len()],
 }
 
 impl Default for LookupStats {
@@ -36,6 +49,7 @@ impl Default for LookupStats {
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
             total_us: AtomicU64::new(0),
             served: std::array::from_fn(|_| AtomicU64::new(0)),
+            walks: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
@@ -69,6 +83,13 @@ impl LookupStats {
         self.served[i].fetch_add(1, Relaxed);
     }
 
+    /// Counts one DHT walk this peer started: `kind` indexes [`WALK_KINDS`].
+    pub fn walked(&self, kind: usize) {
+        if let Some(c) = self.walks.get(kind) {
+            c.fetch_add(1, Relaxed);
+        }
+    }
+
     /// The counts so far, to be subtracted from a later reading or summed with other
     /// peers' ([`LookupCounts`]).
     pub fn snapshot(&self) -> LookupCounts {
@@ -76,6 +97,7 @@ impl LookupStats {
             counts: self.counts.iter().map(|c| c.load(Relaxed)).collect(),
             total_us: self.total_us.load(Relaxed),
             served: self.served.iter().map(|c| c.load(Relaxed)).collect(),
+            walks: self.walks.iter().map(|c| c.load(Relaxed)).collect(),
         }
     }
 }
@@ -105,6 +127,8 @@ pub struct LookupCounts {
     total_us: u64,
     /// DHT requests answered, by kind ([`SERVED_KINDS`]).
     pub served: Vec<u64>,
+    /// DHT walks started, by kind ([`WALK_KINDS`]).
+    pub walks: Vec<u64>,
 }
 
 impl LookupCounts {
@@ -112,6 +136,7 @@ impl LookupCounts {
     pub fn add(&mut self, o: &Self) {
         add_into(&mut self.counts, &o.counts);
         add_into(&mut self.served, &o.served);
+        add_into(&mut self.walks, &o.walks);
         self.total_us += o.total_us;
     }
 
@@ -121,6 +146,7 @@ impl LookupCounts {
             counts: minus(&self.counts, &earlier.counts),
             total_us: self.total_us.saturating_sub(earlier.total_us),
             served: minus(&self.served, &earlier.served),
+            walks: minus(&self.walks, &earlier.walks),
         }
     }
 

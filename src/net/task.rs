@@ -45,6 +45,8 @@ pub(super) enum Pending {
     Relays,
     /// Looking up a relay's addresses, to dial it.
     RelayAddrs(PeerId),
+    /// A bootstrap this peer asked for (told apart from Kademlia's own in the counts).
+    Bootstrap,
 }
 
 pub(super) struct State {
@@ -225,6 +227,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             let mut record = Record::new(key, value);
             record.publisher = Some(local);
             record.expires = Some(Instant::now() + ttl);
+            st.lookups.walked(2);
             match swarm.behaviour_mut().kad.put_record(record, Quorum::One) {
                 Ok(q) => {
                     st.queries.insert(q, Pending::Put(reply));
@@ -235,6 +238,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             }
         }
         Command::GetRecord(key, reply) => {
+            st.lookups.walked(0);
             let q = swarm
                 .behaviour_mut()
                 .kad
@@ -246,6 +250,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             .kad
             .remove_record(&kad::RecordKey::new(&key)),
         Command::StartProviding(key, reply) => {
+            st.lookups.walked(3);
             match swarm
                 .behaviour_mut()
                 .kad
@@ -264,6 +269,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             .kad
             .stop_providing(&kad::RecordKey::new(&key)),
         Command::GetProviders(key, patience, reply) => {
+            st.lookups.walked(1);
             let q = swarm
                 .behaviour_mut()
                 .kad
@@ -274,11 +280,13 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
                 st.walk_ends.push((Instant::now() + p, q));
             }
         }
-        Command::Bootstrap => {
-            if let Err(e) = swarm.behaviour_mut().kad.bootstrap() {
-                tracing::debug!(target: "shoal::net", "no DHT bootstrap: {e:?}");
+        Command::Bootstrap => match swarm.behaviour_mut().kad.bootstrap() {
+            Ok(q) => {
+                st.lookups.walked(4);
+                st.queries.insert(q, Pending::Bootstrap);
             }
-        }
+            Err(e) => tracing::debug!(target: "shoal::net", "no DHT bootstrap: {e:?}"),
+        },
         Command::Connections(reply) => {
             let _ = reply.send(st.conns.values().cloned().collect());
         }
@@ -475,6 +483,9 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
             id, result, step, ..
         } => {
             let Some(pending) = st.queries.remove(&id) else {
+                if matches!(result, QueryResult::Bootstrap(_)) && step.count.get() == 1 {
+                    st.lookups.walked(5);
+                }
                 return;
             };
             match (pending, result) {
@@ -536,6 +547,11 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                         let _ = reply.send(found);
                     } else {
                         st.queries.insert(id, Pending::GetProviders(found, reply));
+                    }
+                }
+                (Pending::Bootstrap, QueryResult::Bootstrap(_)) => {
+                    if !step.last {
+                        st.queries.insert(id, Pending::Bootstrap);
                     }
                 }
                 (Pending::Relays, QueryResult::GetProviders(r)) => {
