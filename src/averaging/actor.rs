@@ -100,7 +100,8 @@ pub(super) struct State {
 /// changes (at once when it steps, fills the step's batch, or first changes after a step).
 const CHANGES_PER_HEARTBEAT: u32 = 3;
 
-/// ... and at most every this long (the default heartbeat ÷ [`CHANGES_PER_HEARTBEAT`]).
+/// The shortest wait between two progress messages sent for a change (the default
+/// heartbeat ÷ [`CHANGES_PER_HEARTBEAT`]), and the wait once the step's batch is half full.
 const MIN_CHANGE_EVERY: Duration = Duration::from_millis(100);
 
 impl State {

@@ -34,6 +34,23 @@ pub const WALK_KINDS: [&str; 6] = [
     "auto_bootstrap",
 ];
 
+/// A kind of DHT walk, as counted ([`LookupStats::walked`]; named by [`WALK_KINDS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Walk {
+    /// A record get.
+    GetRecord,
+    /// A provider get.
+    GetProviders,
+    /// A record put.
+    PutRecord,
+    /// A provide.
+    Provide,
+    /// A bootstrap this peer asked for.
+    Bootstrap,
+    /// A bootstrap Kademlia started on its own.
+    AutoBootstrap,
+}
+
 /// Durations of DHT lookups, walks started and requests answered.
 #[derive(Debug)]
 pub struct LookupStats {
@@ -83,11 +100,9 @@ impl LookupStats {
         self.served[i].fetch_add(1, Relaxed);
     }
 
-    /// Counts one DHT walk this peer started: `kind` indexes [`WALK_KINDS`].
-    pub fn walked(&self, kind: usize) {
-        if let Some(c) = self.walks.get(kind) {
-            c.fetch_add(1, Relaxed);
-        }
+    /// Counts one DHT walk this peer started.
+    pub fn walked(&self, kind: Walk) {
+        self.walks[kind as usize].fetch_add(1, Relaxed);
     }
 
     /// The counts so far, to be subtracted from a later reading or summed with other
@@ -210,5 +225,21 @@ mod tests {
         sum.add(&d);
         assert_eq!(sum, later);
         assert_eq!(LookupCounts::default().quantile_ms(0.99), 0.0);
+    }
+
+    #[test]
+    fn walks_are_counted_by_kind_and_named_in_order() {
+        assert_eq!(WALK_KINDS.len(), Walk::AutoBootstrap as usize + 1);
+        assert_eq!(WALK_KINDS[Walk::GetProviders as usize], "get_providers");
+        let s = LookupStats::default();
+        s.walked(Walk::GetProviders);
+        let before = s.snapshot();
+        s.walked(Walk::GetProviders);
+        s.walked(Walk::AutoBootstrap);
+        let d = s.snapshot().since(&before);
+        assert_eq!(d.walks, vec![0, 1, 0, 0, 0, 1]);
+        let mut sum = before.clone();
+        sum.add(&d);
+        assert_eq!(sum.walks, vec![0, 2, 0, 0, 0, 1]);
     }
 }

@@ -7,6 +7,7 @@
 
 use super::behaviour::{Behaviour, BehaviourEvent};
 use super::reach::{self, NetEvent, NetStatus};
+use super::stats::Walk;
 use super::{Command, ConnectionInfo, NetError};
 use crate::dht;
 use futures::StreamExt;
@@ -227,7 +228,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             let mut record = Record::new(key, value);
             record.publisher = Some(local);
             record.expires = Some(Instant::now() + ttl);
-            st.lookups.walked(2);
+            st.lookups.walked(Walk::PutRecord);
             match swarm.behaviour_mut().kad.put_record(record, Quorum::One) {
                 Ok(q) => {
                     st.queries.insert(q, Pending::Put(reply));
@@ -238,7 +239,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             }
         }
         Command::GetRecord(key, reply) => {
-            st.lookups.walked(0);
+            st.lookups.walked(Walk::GetRecord);
             let q = swarm
                 .behaviour_mut()
                 .kad
@@ -250,7 +251,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             .kad
             .remove_record(&kad::RecordKey::new(&key)),
         Command::StartProviding(key, reply) => {
-            st.lookups.walked(3);
+            st.lookups.walked(Walk::Provide);
             match swarm
                 .behaviour_mut()
                 .kad
@@ -269,7 +270,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
             .kad
             .stop_providing(&kad::RecordKey::new(&key)),
         Command::GetProviders(key, patience, reply) => {
-            st.lookups.walked(1);
+            st.lookups.walked(Walk::GetProviders);
             let q = swarm
                 .behaviour_mut()
                 .kad
@@ -282,7 +283,7 @@ fn on_command(swarm: &mut Swarm<Behaviour>, st: &mut State, cmd: Command) {
         }
         Command::Bootstrap => match swarm.behaviour_mut().kad.bootstrap() {
             Ok(q) => {
-                st.lookups.walked(4);
+                st.lookups.walked(Walk::Bootstrap);
                 st.queries.insert(q, Pending::Bootstrap);
             }
             Err(e) => tracing::debug!(target: "shoal::net", "no DHT bootstrap: {e:?}"),
@@ -484,7 +485,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
         } => {
             let Some(pending) = st.queries.remove(&id) else {
                 if matches!(result, QueryResult::Bootstrap(_)) && step.count.get() == 1 {
-                    st.lookups.walked(5);
+                    st.lookups.walked(Walk::AutoBootstrap);
                 }
                 return;
             };
