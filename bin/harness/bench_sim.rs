@@ -25,12 +25,11 @@
 
 use super::bench_sim_row::{reasons, SimRow, Tick};
 use super::scenarios::{bound, ReplicaSpec, Setup};
-use super::sim_peers::{draw_link, is_public, listen_addr};
+use super::sim_peers::{draw_link, is_public, listen_addr, sim_run};
 use super::sim_probe::{self, median, mib, rss_mib, Role};
 use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use libp2p::Multiaddr;
-use shoal::config::{RunConfig, StageKind};
 use shoal::dht::Manifest;
 use shoal::net::link::LinkSpec;
 use shoal::net::stats::LookupCounts;
@@ -50,12 +49,6 @@ const SEEDS: usize = 3;
 /// whatever the number of peers: the sim stages sleep, but every call costs the shared
 /// cores its streams, encryption and codecs, and 2 cores carry ~100 samples/s of that.
 pub const SWARM_RATE: f64 = 100.0;
-
-/// Samples per microbatch.
-const MICROBATCH: usize = 4;
-
-/// Samples per optimizer step: a step every ~10 s.
-const TARGET_BATCH: usize = 1024;
 
 /// Microbatches in flight per serving replica, summed over the trainers: enough that every
 /// replica's queue holds one while the links' latency passes.
@@ -88,21 +81,6 @@ pub struct SimOptions {
     /// Fraction of the peers (seeds aside) publicly reachable, serving the DHT; the rest
     /// are DHT clients ([`is_public`]).
     pub public: f64,
-}
-
-/// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
-/// together doing `rate` samples/s.
-pub fn sim_run(stages: usize, replicas_per_stage: f64, rate: f64) -> RunConfig {
-    let mut cfg = RunConfig::tiny();
-    cfg.model.n_layers = stages.max(1);
-    cfg.stages.count = stages;
-    cfg.stages.cuts.clear();
-    cfg.stages.kind = StageKind::Sim;
-    cfg.stages.sim_ms_per_sample = Some(1e3 * replicas_per_stage / rate);
-    cfg.training.batch_size = MICROBATCH;
-    cfg.training.steps = 1_000_000;
-    cfg.training.target_batch_size = Some(TARGET_BATCH);
-    cfg
 }
 
 struct Member {

@@ -1,13 +1,35 @@
-//! What each peer of `shoal bench sim` is given: where it listens, its home link (drawn
-//! from a spread), and whether it is publicly reachable (and so serves the DHT) or a home
-//! machine behind NAT (a DHT client, which its stage mates and trainers still reach
-//! directly, as after a hole punch).
+//! What each peer of `shoal bench sim` is given: the run it serves, where it listens, its
+//! home link (drawn from a spread), and whether it is publicly reachable (and so serves the
+//! DHT) or a home machine behind NAT (a DHT client, which its stage mates and trainers
+//! still reach directly, as after a hole punch).
 
 use libp2p::multiaddr::Protocol;
 use libp2p::Multiaddr;
+use shoal::config::{RunConfig, StageKind};
 use shoal::net::link::LinkSpec;
 use shoal::rng::Rng;
 use std::time::Duration;
+
+/// Samples per microbatch.
+const MICROBATCH: usize = 4;
+
+/// Samples per optimizer step: a step every ~10 s.
+const TARGET_BATCH: usize = 1024;
+
+/// The run: the tiny model's tensor sizes in `stages` sim stages, each stage's replicas
+/// together doing `rate` samples/s.
+pub fn sim_run(stages: usize, replicas_per_stage: f64, rate: f64) -> RunConfig {
+    let mut cfg = RunConfig::tiny();
+    cfg.model.n_layers = stages.max(1);
+    cfg.stages.count = stages;
+    cfg.stages.cuts.clear();
+    cfg.stages.kind = StageKind::Sim;
+    cfg.stages.sim_ms_per_sample = Some(1e3 * replicas_per_stage / rate);
+    cfg.training.batch_size = MICROBATCH;
+    cfg.training.steps = 1_000_000;
+    cfg.training.target_batch_size = Some(TARGET_BATCH);
+    cfg
+}
 
 /// A home link drawn from the spread: up and down log-uniform in 20–500 Mbit/s, the round
 /// trip uniform in 10–150 ms.

@@ -53,6 +53,7 @@ mod exchange;
 mod mates;
 pub use crate::guard;
 pub mod plan;
+mod progress;
 pub mod reduce;
 pub mod round;
 mod send;

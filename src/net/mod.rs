@@ -14,6 +14,7 @@ pub mod keys;
 pub mod link;
 mod nat;
 pub mod reach;
+mod requests;
 pub mod stats;
 pub mod streams;
 mod task;

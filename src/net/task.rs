@@ -12,7 +12,6 @@ use super::{Command, ConnectionInfo, NetError};
 use crate::dht;
 use futures::StreamExt;
 use libp2p::core::transport::ListenerId;
-use libp2p::kad::store::RecordStore;
 use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
@@ -431,54 +430,12 @@ pub(super) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// Counts a record refused as forged.
-fn count_forged(st: &mut State, e: &dht::RecordError) {
-    if matches!(e, dht::RecordError::Forged(_)) {
-        st.status.forged_records += 1;
-    }
-}
-
-/// Stores what a valid inbound put or provider announcement carries (records are filtered:
-/// each is checked before it is kept).
-fn on_request(
-    swarm: &mut Swarm<Behaviour>,
-    st: &mut State,
-    request: kad::InboundRequest,
-    now: u64,
-) {
-    match request {
-        kad::InboundRequest::PutRecord {
-            source,
-            record: Some(record),
-            ..
-        } => match dht::validate(record.key.as_ref(), &record.value, now) {
-            Ok(()) => {
-                if let Err(e) = swarm.behaviour_mut().kad.store_mut().put(record) {
-                    tracing::warn!(target: "shoal::net", %source, "cannot store a record: {e:?}");
-                }
-            }
-            Err(e) => {
-                count_forged(st, &e);
-                tracing::debug!(target: "shoal::net", %source, "refused a record: {e}");
-            }
-        },
-        kad::InboundRequest::AddProvider {
-            record: Some(record),
-        } if dht::record::is_provider_key(record.key.as_ref()) => {
-            if let Err(e) = swarm.behaviour_mut().kad.store_mut().add_provider(record) {
-                tracing::warn!(target: "shoal::net", "cannot store a provider record: {e:?}");
-            }
-        }
-        _ => {}
-    }
-}
-
 fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
     let now = dht::now_ms();
     match event {
         kad::Event::InboundRequest { request } => {
             st.lookups.served(&request);
-            on_request(swarm, st, request, now);
+            super::requests::on_request(swarm, st, request, now);
         }
         kad::Event::OutboundQueryProgressed {
             id, result, step, ..
@@ -508,7 +465,7 @@ fn on_kad(swarm: &mut Swarm<Behaviour>, st: &mut State, event: kad::Event) {
                                 found.push(pr.record.value)
                             }
                             Err(e) => {
-                                count_forged(st, &e);
+                                super::requests::count_forged(st, &e);
                                 tracing::debug!(target: "shoal::net", "ignored a record: {e}");
                             }
                         }
