@@ -131,7 +131,7 @@ impl State {
                     let views = &self.views;
                     self.known.retain(|k| {
                         peers.iter().any(|(p, _)| p == k)
-                            || views.get(k).is_some_and(|v| now.duration_since(v.at) < live)
+                            || views.get(k).is_some_and(|v| v.is_live(now, live))
                     });
                     quiet += 1;
                     for (p, addrs) in peers {

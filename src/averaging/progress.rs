@@ -19,8 +19,10 @@ const CHANGES_PER_HEARTBEAT: u32 = 3;
 const MIN_CHANGE_EVERY: Duration = Duration::from_millis(100);
 
 impl State {
-    /// Sends progress on change (at most every 100 ms; at once when the step changed, for
-    /// the first change after that, and when it fills the step's batch) or as a heartbeat.
+    /// Sends progress on change (at most every [`MIN_CHANGE_EVERY`], or
+    /// [`CHANGES_PER_HEARTBEAT`] times a heartbeat while the step's batch is less than half
+    /// full; at once when the step changed, for the first change after that, and when it
+    /// fills the step's batch) or as a heartbeat.
     pub(super) fn heartbeat(&mut self, st: &ReplicaStatus) {
         let now_sig = (
             st.params_step,
@@ -33,8 +35,11 @@ impl State {
         let since = self.last_sent_at.elapsed();
         let changed = self.last_sent.as_ref() != Some(&now_sig);
         let stepped = self.last_sent.as_ref().map(|l| l.0) != Some(st.params_step);
-        // What this replica knows the stage holds toward its step.
-        let held = {
+        // What this replica knows the stage holds toward its step (read only on a change:
+        // this runs at every tick).
+        let held = if !changed {
+            0
+        } else {
             let mine = View::of(st, Instant::now());
             let s = st.params_step;
             let others: u64 = self
